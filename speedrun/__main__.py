@@ -1,0 +1,3 @@
+from speedrun.cli import main
+
+raise SystemExit(main())

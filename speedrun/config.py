@@ -1,0 +1,282 @@
+"""Typed run configuration and named presets.
+
+A run is described by one :class:`RunConfig` holding a :class:`ModelConfig`, a :class:`DataConfig`
+and a :class:`TrainConfig`.  Presets are plain functions returning a fresh ``RunConfig``; command
+line overrides are ``section.field=value`` strings applied by :func:`apply_overrides`, which checks
+the field exists and converts the value to the field's declared type.
+
+Units: token counts are tokens (not sequences), times are seconds unless a name says ``_ms``,
+learning rates are absolute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from speedrun.errors import ConfigError
+
+
+@dataclass
+class Stage:
+    """One stage of the staged schedule (record recipe §2.4/§4).
+
+    A stage starts at ``start_step`` and lasts until the next stage's start.  ``batch_tokens`` is
+    the global number of training tokens per optimizer step, ``max_seq_len`` the cap a document is
+    cut at, ``window_short``/``window_long`` the sliding attention windows in tokens, and
+    ``mtp_weights`` the multi-token-prediction weights (first entry: next token).  A weight given
+    as ``(a, b)`` ramps linearly from ``a`` to ``b`` over the stage.
+    """
+
+    start_step: int
+    batch_tokens: int
+    max_seq_len: int
+    window_short: int
+    window_long: int
+    mtp_weights: tuple = (1.0,)
+    prefix_weight: tuple = (0.0, 0.0)
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the GPT.
+
+    ``qk_head_dim`` (query/key width per head) and ``v_head_dim`` (value/output width per head)
+    are separate; the residual width is ``model_dim`` and must equal ``num_heads * v_head_dim``.
+    ``vocab_size`` is the tokenizer's vocabulary; embeddings and logits are padded up to a multiple
+    of ``vocab_multiple`` (see :attr:`padded_vocab_size`).
+    """
+
+    vocab_size: int = 257
+    num_layers: int = 4
+    model_dim: int = 128
+    num_heads: int = 4
+    qk_head_dim: int = 32
+    v_head_dim: int = 32
+    mlp_ratio: int = 4
+    vocab_multiple: int = 128
+    # Rotary embedding: the first ``rope_fraction`` of each q/k head's dims rotate with frequencies
+    # (1/rope_base)**linspace(0, 1, n); the rest stay stationary ("half-truncated RoPE").
+    rope_base: float = 1024.0
+    rope_fraction: float = 0.5
+    # Softmax scale; None means 1/sqrt(qk_head_dim).
+    attn_scale: float | None = None
+    # Logit softcap: logits = A * sigmoid((z + B) / C), as in the record.  A <= 0 disables it.
+    softcap_a: float = 23.0
+    softcap_b: float = 5.0
+    softcap_c: float = 7.5
+    # Which network: "core" is the plain GPT of speedrun.model.gpt.
+    architecture: str = "core"
+    # Attention backend name (see speedrun.attention); "auto" picks the best available.
+    attention_backend: str = "auto"
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def mlp_hidden_dim(self) -> int:
+        return self.mlp_ratio * self.model_dim
+
+    def validate(self) -> None:
+        if self.num_heads * self.v_head_dim != self.model_dim:
+            raise ConfigError(
+                f"model_dim ({self.model_dim}) must equal num_heads ({self.num_heads}) x "
+                f"v_head_dim ({self.v_head_dim})"
+            )
+        if self.qk_head_dim % 4 != 0:
+            raise ConfigError(f"qk_head_dim must be a multiple of 4 (rotary pairs), got {self.qk_head_dim}")
+        if not 0.0 <= self.rope_fraction <= 1.0:
+            raise ConfigError(f"rope_fraction must lie in [0, 1], got {self.rope_fraction}")
+        for name in ("vocab_size", "num_layers", "model_dim", "num_heads", "qk_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from.
+
+    ``source``: ``"builtin"`` tokenizes text that ships with every Python installation (byte-level,
+    no download) into shards under ``cache_dir``; ``"shards"`` reads speedrun-format shards matching
+    ``train_files`` / ``val_files`` (glob patterns).  ``tokenizer`` is ``"bytes"`` or ``"gpt2"``;
+    ``tokenizer_dir`` may point at a folder holding ``encoder.json`` and ``vocab.bpe`` for offline
+    GPT-2 (also read from ``SPEEDRUN_TOKENIZER_DIR``).
+    """
+
+    source: str = "builtin"
+    train_files: str = ""
+    val_files: str = ""
+    tokenizer: str = "bytes"
+    tokenizer_dir: str = ""
+    cache_dir: str = ""
+    bos_id: int = 256
+
+
+@dataclass
+class TrainConfig:
+    """The training loop.
+
+    ``steps`` optimizer steps of ``batch_tokens`` global tokens each (split over ranks and
+    ``grad_accum`` micro-batches).  ``warmup_steps`` untimed steps run first (to compile every
+    shape) and are then undone by a full state reset.  Validation every ``val_every`` steps over
+    ``val_tokens`` tokens (0 disables periodic validation; the final one always runs).
+    """
+
+    steps: int = 300
+    batch_tokens: int = 4096
+    max_seq_len: int = 256
+    grad_accum: int = 1
+    window: int = 0  # sliding attention window in tokens for the core model; 0 = whole document
+    optimizer: str = "adam"
+    lr: float = 3e-3
+    embed_lr: float = 3e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    lr_warmup_steps: int = 20
+    cooldown_frac: float = 0.4  # final fraction of steps with linear decay to lr * final_lr_frac
+    final_lr_frac: float = 0.1
+    grad_clip: float = 1.0  # 0 disables
+    warmup_steps: int = 0  # untimed compile warmup steps, undone afterwards
+    val_every: int = 100
+    val_tokens: int = 65536
+    log_every: int = 10
+    checkpoint_every: int = 0  # 0: only at the end
+    seed: int = 1337
+    device: str = "auto"
+    dtype: str = "auto"  # "bf16" | "fp32" | "auto" (bf16 on CUDA, fp32 on CPU)
+    compile: bool = False
+    sample_tokens: int = 200
+    sample_prompt: str = "def "
+    stages: list = field(default_factory=list)  # list[Stage]; empty = one stage from the fields above
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run; written to ``config.json`` in the run folder."""
+
+    name: str = "tiny"
+    out_dir: str = "runs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+        train = dict(d.get("train", {}))
+        train["stages"] = [Stage(**_tuplify(s)) for s in train.get("stages", [])]
+        return cls(
+            name=d.get("name", "custom"),
+            out_dir=d.get("out_dir", "runs"),
+            model=ModelConfig(**d.get("model", {})),
+            data=DataConfig(**d.get("data", {})),
+            train=TrainConfig(**train),
+        )
+
+
+def _tuplify(stage: dict[str, Any]) -> dict[str, Any]:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in stage.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets
+
+
+def tiny() -> RunConfig:
+    """A small GPT that trains on 2 CPU cores in a few minutes on the built-in byte-level corpus."""
+    return RunConfig(name="tiny")
+
+
+def small() -> RunConfig:
+    """A 124M-class shape for one GPU on GPT-2 tokenized shards (FineWeb or local)."""
+    return RunConfig(
+        name="small",
+        model=ModelConfig(
+            vocab_size=50257, num_layers=12, model_dim=768, num_heads=6, qk_head_dim=128, v_head_dim=128
+        ),
+        data=DataConfig(source="shards", tokenizer="gpt2", bos_id=50256),
+        train=TrainConfig(
+            steps=2000, batch_tokens=131072, max_seq_len=2048, lr=2e-3, embed_lr=6e-3,
+            val_every=250, val_tokens=1048576, sample_prompt="The", warmup_steps=2,
+            compile=True, window=1024,
+        ),
+    )
+
+
+PRESETS: dict[str, typing.Callable[[], RunConfig]] = {"tiny": tiny, "small": small}
+
+
+def preset(name: str) -> RunConfig:
+    """Return a fresh copy of the named preset; raises ``KeyError`` listing the known names."""
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Overrides
+
+
+class OverrideError(ConfigError):
+    """A ``section.field=value`` override names no field or has a value of the wrong type."""
+
+
+def _convert(raw: str, typ: Any, where: str) -> Any:
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if raw.lower() in ("none", "null", ""):
+            return None
+        typ = args[0]
+    try:
+        if typ is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if typ is int:
+            return int(raw.replace("_", ""))
+        if typ is float:
+            return float(raw)
+        if typ in (list, tuple) or typing.get_origin(typ) in (list, tuple):
+            return json.loads(raw)
+        return raw
+    except (ValueError, json.JSONDecodeError):
+        raise OverrideError(f"{where}: cannot read {raw!r} as {getattr(typ, '__name__', typ)}") from None
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """Apply ``section.field=value`` strings (e.g. ``train.steps=50``) to ``cfg`` in place."""
+    hints = {
+        "model": typing.get_type_hints(ModelConfig),
+        "data": typing.get_type_hints(DataConfig),
+        "train": typing.get_type_hints(TrainConfig),
+        "": typing.get_type_hints(RunConfig),
+    }
+    for item in overrides:
+        if "=" not in item:
+            raise OverrideError(f"override {item!r} is not of the form section.field=value")
+        key, raw = item.split("=", 1)
+        section, _, name = key.strip().rpartition(".")
+        if section not in hints or name not in hints[section] or name in ("model", "data", "train"):
+            known = ", ".join(
+                f"{s}.{n}" if s else n for s in hints for n in hints[s] if n not in ("model", "data", "train")
+            )
+            raise OverrideError(f"unknown setting {key!r}; known settings: {known}")
+        target = getattr(cfg, section) if section else cfg
+        setattr(target, name, _convert(raw.strip(), hints[section][name], key))
+    return cfg

@@ -1,0 +1,62 @@
+"""Shared fixtures.
+
+Environment variables (set by .ci/run; tests that need them skip cleanly without):
+  SPEEDRUN_TEST_DATA      folder with decompressed webmix shards (webmix_{train,val}_000000.bin)
+  SPEEDRUN_TOKENIZER_DIR  folder with GPT-2 encoder.json and vocab.bpe
+  SPEEDRUN_UPSTREAM_LOGS  folder with real upstream speedrun logs (shared/upstream-logs)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _env_dir(name: str) -> Path | None:
+    value = os.environ.get(name)
+    if value and Path(value).is_dir():
+        return Path(value)
+    return None
+
+
+@pytest.fixture
+def webmix_dir() -> Path:
+    d = _env_dir("SPEEDRUN_TEST_DATA")
+    if d is None or not list(d.glob("webmix_*.bin")):
+        pytest.skip("SPEEDRUN_TEST_DATA not set to a folder with webmix shards")
+    return d
+
+
+@pytest.fixture
+def gpt2_dir() -> Path:
+    d = _env_dir("SPEEDRUN_TOKENIZER_DIR")
+    if d is None or not (d / "encoder.json").exists():
+        pytest.skip("SPEEDRUN_TOKENIZER_DIR not set to a folder with encoder.json and vocab.bpe")
+    return d
+
+
+@pytest.fixture
+def upstream_logs_dir() -> Path:
+    d = _env_dir("SPEEDRUN_UPSTREAM_LOGS")
+    if d is None:
+        pytest.skip("SPEEDRUN_UPSTREAM_LOGS not set")
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything():
+    torch.manual_seed(0)
+    yield
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_dir = Path(__file__).parent / "gpu"
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if gpu_dir in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.gpu)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
