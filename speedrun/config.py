@@ -128,7 +128,7 @@ class TrainConfig:
     ``val_tokens`` tokens (0 disables periodic validation; the final one always runs).
     """
 
-    steps: int = 300
+    steps: int = 250
     batch_tokens: int = 4096
     max_seq_len: int = 256
     grad_accum: int = 1
@@ -145,8 +145,8 @@ class TrainConfig:
     final_lr_frac: float = 0.1
     grad_clip: float = 1.0  # 0 disables
     warmup_steps: int = 0  # untimed compile warmup steps, undone afterwards
-    val_every: int = 100
-    val_tokens: int = 65536
+    val_every: int = 50
+    val_tokens: int = 32768
     log_every: int = 10
     checkpoint_every: int = 0  # 0: only at the end
     seed: int = 1337
@@ -154,7 +154,7 @@ class TrainConfig:
     dtype: str = "auto"  # "bf16" | "fp32" | "auto" (bf16 on CUDA, fp32 on CPU)
     compile: bool = False
     sample_tokens: int = 200
-    sample_prompt: str = "def "
+    sample_prompt: str = "The "
     stages: list = field(default_factory=list)  # list[Stage]; empty = one stage from the fields above
 
 

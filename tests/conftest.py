@@ -46,6 +46,13 @@ def upstream_logs_dir() -> Path:
     return d
 
 
+@pytest.fixture(scope="session")
+def builtin_cache(tmp_path_factory) -> Path:
+    """One cache folder for the built-in corpus shards, shared by the whole test session."""
+    env = os.environ.get("SPEEDRUN_CACHE_DIR")
+    return Path(env) if env else tmp_path_factory.mktemp("speedrun-cache")
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything():
     torch.manual_seed(0)

@@ -1,1 +1,137 @@
-"""attention"""
+"""Attention backends behind one call.
+
+Every backend computes causal, document-masked, optionally sliding-window attention over one
+packed sequence of documents::
+
+    y = backend(q, k, v, cu_seqlens, max_seqlen, window=W, scale=s)
+
+- ``q``, ``k``: (T, H, D_qk); ``v``: (T, H, D_v); D_qk may differ from D_v.  bf16 or fp32.
+- ``cu_seqlens``: (N+1,) int32 document starts, last entry T; trailing repeats of T (empty
+  documents) are allowed, so the tensor can be padded to a fixed size.
+- ``max_seqlen``: an upper bound on any document's length (int).
+- ``window``: query i sees keys j of its own document with ``i - window <= j <= i``
+  (``None``: the whole causal prefix of the document).
+- ``scale``: softmax scale applied to q.k.
+- returns y: (T, H, D_v) in v's dtype.
+
+Backends: ``reference`` (plain PyTorch, any device, the test oracle), ``flex`` (FlexAttention
+with block masks; takes D_qk != D_v natively), ``varlen`` (torch's built-in FlashAttention varlen
+kernel; pads Q/K with zeros to D_v), ``fa3`` (FlashAttention-3 through the optional ``kernels``
+package).  ``auto`` picks the fastest that works on the tensors' device.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from speedrun.errors import ConfigError
+
+AttentionFn = Callable[..., torch.Tensor]
+
+# Preference order for "auto" on CUDA, fastest first (measured at stage-3 shapes: docs/perf-notes.md).
+_CUDA_PREFERENCE = ("fa3", "varlen", "flex", "reference")
+
+
+def _load(name: str) -> AttentionFn:
+    if name == "reference":
+        from speedrun.attention.reference import reference_attention
+
+        return reference_attention
+    if name == "flex":
+        from speedrun.attention.flex import flex_varlen_attention
+
+        return flex_varlen_attention
+    if name == "varlen":
+        from speedrun.attention.varlen import torch_varlen_attention
+
+        return torch_varlen_attention
+    if name == "fa3":
+        from speedrun.attention.fa3 import fa3_varlen_attention
+
+        return fa3_varlen_attention
+    raise ConfigError(f"unknown attention backend {name!r}; known: reference, flex, varlen, fa3, auto")
+
+
+def backend_problem(name: str, device: torch.device | str) -> str | None:
+    """Why backend ``name`` cannot run on ``device`` (None if it can)."""
+    device = torch.device(device)
+    if name == "reference":
+        return None
+    if name == "flex":
+        from speedrun.attention.flex import flex_problem
+
+        return flex_problem(device)
+    if name == "varlen":
+        from speedrun.attention.varlen import varlen_problem
+
+        return varlen_problem(device)
+    if name == "fa3":
+        from speedrun.attention.fa3 import fa3_problem
+
+        return fa3_problem(device)
+    return f"unknown attention backend {name!r}"
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """Turn ``auto`` into a concrete backend name for ``device``; check an explicit name works."""
+    device = torch.device(device)
+    if name == "auto":
+        if device.type != "cuda":
+            return "reference"
+        for candidate in _CUDA_PREFERENCE:
+            if backend_problem(candidate, device) is None:
+                return candidate
+        return "reference"
+    problem = backend_problem(name, device)
+    if problem:
+        raise ConfigError(f"attention backend {name!r} cannot run on {device}: {problem}")
+    return name
+
+
+def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionFn:
+    """The attention function for backend ``name`` (``auto`` resolved for ``device``)."""
+    return _load(resolve_backend(name, device))
+
+
+def available_backends(device: torch.device | str | None = None) -> dict[str, tuple[bool, str]]:
+    """For each backend: (works, detail), checked by running a tiny problem against the reference."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    out: dict[str, tuple[bool, str]] = {}
+    from speedrun.attention.reference import reference_attention
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(0)
+    T, H, dqk, dv = 64, 2, 32, 64
+    q, k = (torch.randn(T, H, dqk, generator=g).to(device, dtype) for _ in range(2))
+    v = torch.randn(T, H, dv, generator=g).to(device, dtype)
+    cu = torch.tensor([0, 20, 64, 64], dtype=torch.int32, device=device)
+    ref = reference_attention(q.float(), k.float(), v.float(), cu, 44, window=16, scale=0.2)
+    for name in ("reference", "flex", "varlen", "fa3"):
+        problem = backend_problem(name, device)
+        if problem:
+            out[name] = (False, problem)
+            continue
+        try:
+            y = _load(name)(q, k, v, cu, 44, window=16, scale=0.2).float()
+            err = ((y - ref).norm() / ref.norm()).item()
+            ok = err < 2e-2
+            out[name] = (ok, f"rel err {err:.1e} vs reference" + ("" if ok else " (too large)"))
+        except Exception as e:  # a backend that imports but fails to run is reported, not raised
+            out[name] = (False, f"{type(e).__name__}: {e}"[:200])
+    return out
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, backend: str) -> None:
+    """Raise ConfigError naming the backend and shapes when inputs do not fit the interface."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ConfigError(f"{backend} attention wants (T, H, D) tensors, got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
+    if q.shape != k.shape:
+        raise ConfigError(f"{backend} attention: q{tuple(q.shape)} and k{tuple(k.shape)} must have the same shape")
+    if v.shape[:2] != q.shape[:2]:
+        raise ConfigError(f"{backend} attention: v{tuple(v.shape)} must match q{tuple(q.shape)} in (T, H)")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ConfigError(f"{backend} attention: cu_seqlens must be 1-D with >= 2 entries, got {tuple(cu_seqlens.shape)}")

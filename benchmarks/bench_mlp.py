@@ -1,0 +1,272 @@
+"""Benchmark the ReLU² MLP kernels and the FP8 weight cache on one CUDA GPU.
+
+Prints a table and writes ``$OUT/bench_mlp.json`` (``OUT`` defaults to ``./bench_out``):
+
+* ceilings measured in the same run: bf16 ``torch.matmul`` and FP8 ``torch._scaled_mm`` at
+  8192³ (TFLOP/s), and a device-to-device copy (TB/s, read + write bytes);
+* every GEMM of the MLP per mode (bf16 / fp8_fwd / fp8_full) at T x D x H (median ms via
+  ``triton.testing.do_bench``, TFLOP/s), plus the quantise kernels (TB/s vs the copy);
+* the cost of emitting the transposed FP8 layouts (epilogue with vs without the (N, M) store),
+  and, per weight-gradient GEMM, bf16 time vs FP8 time + transposes (the keep-bf16 test);
+* the whole MLP forward+backward per mode, and a plain torch bf16 autograd MLP;
+* the FP8 weight-cache refresh of an (L, 3072, 768) W1 and W2 bank (one read, two layouts).
+
+Usage: ``python benchmarks/bench_mlp.py [--tokens 49152] [--dim 768] [--hidden 3072] [--layers 11] [--sweep]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _bench(fn, rep_ms=200):
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+
+
+def _tflops(flop, ms):
+    return flop / (ms * 1e-3) / 1e12
+
+
+def ceilings(dev):
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    ms = _bench(lambda: a @ b)
+    out = {"bf16_matmul_8192_tflops": _tflops(2 * n**3, ms)}
+    a8 = a.to(torch.float8_e4m3fn)
+    b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()
+    one = torch.ones((), device=dev)
+    for fast in (True, False):
+        ms = _bench(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast))
+        out[f"fp8_scaled_mm_8192_tflops{'_fast_accum' if fast else ''}"] = _tflops(2 * n**3, ms)
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    out["copy_tbps"] = 2 * src.numel() / (ms * 1e-3) / 1e12
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=49152)
+    p.add_argument("--dim", type=int, default=768)
+    p.add_argument("--hidden", type=int, default=3072)
+    p.add_argument("--layers", type=int, default=11)
+    p.add_argument("--sweep", action="store_true", help="also time alternative Triton block configurations")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_mlp: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from speedrun.kernels import mlp as M
+    from speedrun.kernels.fp8_cache import E4M3, E5M2, FP8WeightCache, quantize_current, quantize_dual_layout
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = "cuda"
+    T, D, H = args.tokens, args.dim, args.hidden
+    torch.manual_seed(0)
+    x = torch.randn(T, D, device=dev).bfloat16()
+    w1 = (torch.randn(H, D, device=dev) / D**0.5).bfloat16()
+    w2 = (torch.randn(D, H, device=dev) / H**0.5).bfloat16()
+    g = torch.randn(T, D, device=dev).bfloat16()
+    gemm_flop = 2 * T * D * H
+    res = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": {"T": T, "D": D, "H": H},
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "gemm_configs": {k: list(v) for k, v in M.GPU_CONFIGS.items()},
+    }
+    res["ceilings"] = ceilings(dev)
+    copy_tbps = res["ceilings"]["copy_tbps"]
+    rows = []
+
+    def rec(group, name, fn, flop=None, nbytes=None):
+        ms = _bench(fn)
+        row = {"group": group, "name": name, "ms": ms}
+        if flop:
+            row["tflops"] = _tflops(flop, ms)
+        if nbytes:
+            row["tbps"] = nbytes / (ms * 1e-3) / 1e12
+            row["frac_of_copy"] = row["tbps"] / copy_tbps
+        rows.append(row)
+        return ms
+
+    # ---- bf16 GEMMs
+    post = M.relu2_gemm(x, w1).out
+    dpre = M.relu2_gemm(g, w2.t(), aux=post).out
+    rec("bf16", "up: torch x@w1^T (no epilogue)", lambda: x @ w1.t(), gemm_flop)
+    rec("bf16", "up: triton relu2 fwd", lambda: M.relu2_gemm(x, w1), gemm_flop)
+    rec("bf16", "down: post@w2^T", lambda: post @ w2.t(), gemm_flop)
+    rec("bf16", "dpre: torch g@w2 (no epilogue)", lambda: g @ w2, gemm_flop)
+    rec("bf16", "dpre: triton (g@w2)*2sqrt(post)", lambda: M.relu2_gemm(g, w2.t(), aux=post), gemm_flop)
+    t_dw2_bf16 = rec("bf16", "dW2: g^T@post", lambda: g.t() @ post, gemm_flop)
+    t_dw1_bf16 = rec("bf16", "dW1: dpre^T@x", lambda: dpre.t() @ x, gemm_flop)
+    rec("bf16", "dx: dpre@w1", lambda: dpre @ w1, gemm_flop)
+
+    # ---- FP8 pieces
+    xq, xqt, xs = quantize_current(x)
+    w1q, w1qt, w1s = quantize_current(w1)
+    w2q, w2qt, w2s = quantize_current(w2)
+    ps = post.float().amax() * 1.8 / 448
+    amax = torch.zeros((), device=dev)
+    r = M.relu2_gemm(xq, w1q, a_scale=xs, b_scale=w1s, store_out=False, q_dtype=E4M3, q_scale=ps, emit_transposed=True, amax=amax)
+    pq, pqt = r.q, r.qt
+    gq, gqt, gs = quantize_current(g, fp8_dtype=E5M2)
+    ds = dpre.float().abs().amax() * 2 / 57344
+    r = M.relu2_gemm(gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, store_out=False, q_dtype=E5M2, q_scale=ds, emit_transposed=True, amax=amax)
+    dq, dqt = r.q, r.qt
+    act_bytes = T * D * (2 + 1 + 1)
+    rec("fp8", "quantize x e4m3 row-major only (amax + kernel)", lambda: quantize_current(x, transposed=False), nbytes=T * D * 3)
+    rec("fp8", "quantize x e4m3 both layouts (amax + kernel)", lambda: quantize_current(x), nbytes=act_bytes)
+    rec("fp8", "quantize g e5m2 both layouts (amax + kernel)", lambda: quantize_current(g, fp8_dtype=E5M2), nbytes=act_bytes)
+    rec("fp8", "quantize kernel alone, x both layouts", lambda: quantize_dual_layout(x, xs), nbytes=act_bytes)
+    rec("fp8", "up fp8: bf16 post + e4m3 post (fp8_fwd)",
+        lambda: M.relu2_gemm(xq, w1q, a_scale=xs, b_scale=w1s, q_dtype=E4M3, q_scale=ps, amax=amax), gemm_flop)
+    t_up_q = rec("fp8", "up fp8: e4m3 post row-major only",
+                 lambda: M.relu2_gemm(xq, w1q, a_scale=xs, b_scale=w1s, store_out=False, q_dtype=E4M3, q_scale=ps, amax=amax), gemm_flop)
+    t_up_qt = rec("fp8", "up fp8: e4m3 post both layouts (fp8_full)",
+                  lambda: M.relu2_gemm(xq, w1q, a_scale=xs, b_scale=w1s, store_out=False, q_dtype=E4M3, q_scale=ps, emit_transposed=True, amax=amax), gemm_flop)
+    rec("fp8", "down: scaled_mm post@w2^T (fast accum)",
+        lambda: M.scaled_mm(pq, w2q.t(), ps, w2s, use_fast_accum=True), gemm_flop)
+    t_dp_q = rec("fp8", "dpre fp8: e5m2 dpre row-major only",
+                 lambda: M.relu2_gemm(gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, store_out=False, q_dtype=E5M2, q_scale=ds, amax=amax), gemm_flop)
+    t_dp_qt = rec("fp8", "dpre fp8: e5m2 dpre both layouts (fp8_full)",
+                  lambda: M.relu2_gemm(gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, store_out=False, q_dtype=E5M2, q_scale=ds, emit_transposed=True, amax=amax), gemm_flop)
+    fp8_w = {}
+    for fast in (False, True):
+        sfx = " (fast accum)" if fast else ""
+        fp8_w[("dW2", fast)] = rec("fp8", "dW2: scaled_mm g^T@post" + sfx, lambda: M.scaled_mm(gqt, pqt.t(), gs, ps, use_fast_accum=fast), gemm_flop)
+        fp8_w[("dW1", fast)] = rec("fp8", "dW1: scaled_mm dpre^T@x" + sfx, lambda: M.scaled_mm(dqt, xqt.t(), ds, xs, use_fast_accum=fast), gemm_flop)
+        rec("fp8", "dx: scaled_mm dpre@w1" + sfx, lambda: M.scaled_mm(dq, w1qt.t(), ds, w1s, use_fast_accum=fast), gemm_flop)
+    t_x_both = [r_["ms"] for r_ in rows if r_["name"].startswith("quantize x e4m3 both")][0]
+    t_x_row = [r_["ms"] for r_ in rows if r_["name"].startswith("quantize x e4m3 row-major")][0]
+    verdict = {
+        "dW2": {
+            "bf16_ms": t_dw2_bf16,
+            "fp8_ms": fp8_w[("dW2", False)],
+            "extra_transpose_ms": (t_up_qt - t_up_q),
+            "note": "g^T comes from the e5m2 quantise that dx/dpre need anyway (both layouts in one kernel)",
+        },
+        "dW1": {
+            "bf16_ms": t_dw1_bf16,
+            "fp8_ms": fp8_w[("dW1", False)],
+            "extra_transpose_ms": (t_dp_qt - t_dp_q) + (t_x_both - t_x_row),
+        },
+    }
+    for k, v in verdict.items():
+        v["fp8_total_ms"] = v["fp8_ms"] + v["extra_transpose_ms"]
+        v["fp8_wins"] = v["fp8_total_ms"] < v["bf16_ms"]
+    res["wgrad_verdict"] = verdict
+
+    # ---- whole MLP forward + backward
+    cache = FP8WeightCache()
+    cache.refresh({"w1": w1, "w2": w2})
+    wc = (cache.get("w1"), cache.get("w2"))
+    mlp_ms = {}
+    for mode in M.MODES:
+        xr, w1r, w2r = (t.clone().requires_grad_() for t in (x, w1, w2))
+        state = M.MLPScaleState.create(dev)
+
+        def step(mode=mode, xr=xr, w1r=w1r, w2r=w2r, state=state):
+            xr.grad = w1r.grad = w2r.grad = None
+            y = M.relu2_mlp(xr, w1r, w2r, mode=mode, cache=None if mode == "bf16" else wc, scales=state)
+            y.backward(g)
+
+        step()
+        mlp_ms[mode] = rec("mlp", f"fwd+bwd {mode}", step, 6 * gemm_flop)
+        mlp_ms[mode + "_fwd_only"] = rec(
+            "mlp", f"fwd only {mode}",
+            lambda mode=mode, state=state: M.relu2_mlp(x, w1, w2, mode=mode, cache=None if mode == "bf16" else wc, scales=state),
+            2 * gemm_flop,
+        )
+    xr, w1r, w2r = (t.clone().requires_grad_() for t in (x, w1, w2))
+
+    def torch_step():
+        xr.grad = w1r.grad = w2r.grad = None
+        (torch.relu(xr @ w1r.t()).square() @ w2r.t()).backward(g)
+
+    mlp_ms["torch_bf16"] = rec("mlp", "fwd+bwd plain torch bf16 autograd", torch_step, 6 * gemm_flop)
+    res["mlp_ms"] = mlp_ms
+
+    # ---- FP8 weight cache refresh over a bank
+    L = args.layers
+    bank = (torch.randn(L, 2, H, D, device=dev) * 0.02).bfloat16()
+    wc2 = FP8WeightCache(bootstrap_refreshes=1)
+    wc2.refresh({"w1": bank[:, 0], "w2": bank[:, 1]})  # bootstrap refresh (extra amax read)
+    n_el = bank.numel()
+    rec("cache", f"refresh W1+W2 banks ({L}x2x{H}x{D}), delayed scale", lambda: wc2.refresh({"w1": bank[:, 0], "w2": bank[:, 1]}), nbytes=n_el * 4)
+    s = torch.tensor(1e-4, device=dev)
+    rec("cache", f"quantize_dual_layout one matrix ({H}x{D})", lambda: quantize_dual_layout(bank[0, 0], s), nbytes=H * D * 4)
+    rec("cache", f"quantize_dual_layout batched ({2 * L}x{H}x{D})", lambda: quantize_dual_layout(bank.flatten(0, 1), s), nbytes=n_el * 4)
+
+    # ---- optional block-config sweep for the Triton GEMM
+    if args.sweep:
+        sweep = []
+        cands = [(128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3),
+                 (128, 128, 128, 8, 8, 4), (128, 256, 128, 8, 8, 3), (64, 256, 128, 8, 4, 4), (128, 64, 128, 8, 4, 4)]
+        saved = dict(M.GPU_CONFIGS)
+        for kind, fn in (
+            ("bf16", lambda: M.relu2_gemm(x, w1)),
+            ("bf16", lambda: M.relu2_gemm(g, w2.t(), aux=post)),
+            ("fp8", lambda: M.relu2_gemm(xq, w1q, a_scale=xs, b_scale=w1s, store_out=False, q_dtype=E4M3, q_scale=ps, emit_transposed=True, amax=amax)),
+            ("fp8", lambda: M.relu2_gemm(gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, store_out=False, q_dtype=E5M2, q_scale=ds, emit_transposed=True, amax=amax)),
+        ):
+            for c in cands:
+                if kind == "bf16" and c[2] == 128 and c[1] == 256:
+                    continue
+                M.GPU_CONFIGS[kind] = c
+                try:
+                    ms = _bench(fn, rep_ms=100)
+                    sweep.append({"kind": kind, "config": list(c), "ms": ms, "tflops": _tflops(gemm_flop, ms)})
+                except Exception as e:  # out of shared memory etc.
+                    sweep.append({"kind": kind, "config": list(c), "error": type(e).__name__})
+                M.GPU_CONFIGS.update(saved)
+            sweep.append({"kind": "---"})
+        import speedrun.kernels.fp8_cache as FC
+
+        saved_q = FC.QUANT_CONFIG
+        flat = bank.flatten(0, 1)
+        for c in [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 256, 8), (32, 128, 4)]:
+            FC.QUANT_CONFIG = c
+            for what, t in (("x", x), ("bank", flat)):
+                ms = _bench(lambda t=t: quantize_dual_layout(t, s), rep_ms=100)
+                sweep.append({"kind": f"quant {what}", "config": list(c), "ms": ms, "tbps": t.numel() * 4 / (ms * 1e-3) / 1e12})
+        FC.QUANT_CONFIG = saved_q
+        res["sweep"] = sweep
+
+    res["rows"] = rows
+    # ---- print
+    c = res["ceilings"]
+    print(f"device {res['device']}  torch {res['torch']}  T={T} D={D} H={H}")
+    print(f"ceilings: bf16 matmul {c['bf16_matmul_8192_tflops']:.0f} TFLOP/s, fp8 scaled_mm "
+          f"{c['fp8_scaled_mm_8192_tflops_fast_accum']:.0f} (fast accum) / {c['fp8_scaled_mm_8192_tflops']:.0f} TFLOP/s, copy {c['copy_tbps']:.2f} TB/s")
+    print(f"{'group':6} {'what':58} {'ms':>8} {'TFLOP/s':>8} {'TB/s':>6} {'%copy':>6}")
+    for r_ in rows:
+        tf = f"{r_['tflops']:.0f}" if "tflops" in r_ else ""
+        tb = f"{r_['tbps']:.2f}" if "tbps" in r_ else ""
+        fc = f"{100 * r_['frac_of_copy']:.0f}" if "frac_of_copy" in r_ else ""
+        print(f"{r_['group']:6} {r_['name'][:58]:58} {r_['ms']:8.3f} {tf:>8} {tb:>6} {fc:>6}")
+    for k, v in verdict.items():
+        print(f"{k}: bf16 {v['bf16_ms']:.3f} ms vs fp8 {v['fp8_ms']:.3f} + transposes {v['extra_transpose_ms']:.3f} = "
+              f"{v['fp8_total_ms']:.3f} ms -> {'FP8' if v['fp8_wins'] else 'keep bf16'}")
+    if args.sweep:
+        for s_ in res["sweep"]:
+            print(s_)
+    out_dir = Path(os.environ.get("OUT", "./bench_out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_mlp.json").write_text(json.dumps(res, indent=2))
+    print(f"wrote {out_dir / 'bench_mlp.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

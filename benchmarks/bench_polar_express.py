@@ -1,0 +1,102 @@
+"""Time the Polar Express Triton kernels against plain bf16 torch GEMMs at the record's shapes.
+
+Usage (on a CUDA GPU): ``python benchmarks/bench_polar_express.py``.
+Prints one table (median ms by triton.testing.do_bench, and speedup = torch / triton) and writes
+``polar_express_bench.json`` to ``$OUT`` (default ``./bench_out``).  The torch baselines are what a
+plain implementation would run: ``torch.bmm`` for the Gram matrices, ``torch.baddbmm`` for
+b*A + c*A@A, and the whole Polar Express with those in place of the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("bench_polar_express: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from speedrun.kernels import polar_express as pe
+
+    dev = "cuda"
+    rows = []
+
+    def bench(name, shape, fn_triton, fn_torch, flops, extra=None):
+        row = {"op": name, "shape": list(shape)}
+        for tag, fn in (("triton", fn_triton), ("torch", fn_torch), *((extra or {}).items())):
+            row[f"{tag}_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
+            # Inside a CUDA graph the Python launch cost disappears: the GPU time alone.
+            try:
+                row[f"{tag}_graph_ms"] = do_bench_cudagraph(fn, rep=100, return_mode="median")
+            except Exception as e:  # noqa: BLE001 - report, keep benchmarking
+                row[f"{tag}_graph_ms"] = float("nan")
+                row[f"{tag}_graph_error"] = repr(e)[:200]
+        row["speedup"] = row["torch_ms"] / row["triton_ms"]
+        row["graph_speedup"] = row["torch_graph_ms"] / row["triton_graph_ms"]
+        row["triton_graph_tflops"] = flops / row["triton_graph_ms"] / 1e9
+        rows.append(row)
+
+    compiled_pe = torch.compile(pe.polar_express, dynamic=False)
+
+    # Gram matrices: (B, M, K) -> (B, M, M); dense FLOPs counted (the kernel does about half).
+    for B, M, K in [(8, 256, 768), (8, 192, 768), (64, 256, 768), (3, 768, 768), (24, 768, 768)]:
+        A = torch.randn(B, M, K, device=dev).bfloat16()
+        out = torch.empty(B, M, M, device=dev, dtype=torch.bfloat16)
+        bench("xxt", (B, M, K), lambda: pe.xxt(A, out), lambda: torch.bmm(A, A.mT, out=out), 2 * B * M * M * K)
+    for B, M, K in [(3, 3072, 768), (8, 3072, 768), (24, 3072, 768)]:
+        A = torch.randn(B, M, K, device=dev).bfloat16()
+        out = torch.empty(B, K, K, device=dev, dtype=torch.bfloat16)
+        bench("xtx", (B, M, K), lambda: pe.xtx(A, out), lambda: torch.bmm(A.mT, A, out=out), 2 * B * K * K * M)
+    for B, M in [(8, 256), (8, 192), (3, 768), (8, 768), (24, 768)]:
+        X = torch.randn(B, M, 512, device=dev)
+        A = (X @ X.mT / 512).bfloat16()
+        out = torch.empty_like(A)
+        bench("ba_plus_caa", (B, M, M), lambda: pe.ba_plus_caa(A, 0.5, -2.5, out),
+              lambda: torch.baddbmm(A, A, A, beta=-2.5, alpha=0.5, out=out), 2 * B * M * M * M)
+    # Whole orthogonalisation: per-rank chunks on 8 GPUs, and full banks on one GPU.
+    for shape in [(8, 256, 768), (3, 768, 768), (3, 3072, 768), (64, 256, 768), (24, 768, 768), (24, 3072, 768)]:
+        G = torch.randn(shape, device=dev)
+        B, m, n = shape
+        small, big = min(m, n), max(m, n)
+        flops = 5 * B * (2 * small * small * big * 2 + 2 * small**3)  # gram + X@B, plus B = A@A
+        bench("polar_express", shape, lambda: pe.polar_express(G, use_triton=True),
+              lambda: pe.polar_express(G, use_triton=False), flops,
+              extra={"compiled": lambda: compiled_pe(G, use_triton=True)})
+
+    header = (f"{'op':<14} {'shape':<18} {'triton ms':>10} {'torch ms':>9} {'x':>5} | {'graph: triton':>13} "
+              f"{'torch':>8} {'x':>5} {'TFLOP/s':>8} | {'compiled':>8}")
+    print("median ms (triton.testing.do_bench); 'graph' = inside a CUDA graph (no launch cost); "
+          "x = torch / triton; compiled = torch.compile(polar_express)")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        comp = f"{r['compiled_ms']:>8.4f}" if "compiled_ms" in r else " " * 8
+        print(f"{r['op']:<14} {str(tuple(r['shape'])):<18} {r['triton_ms']:>10.4f} {r['torch_ms']:>9.4f} "
+              f"{r['speedup']:>5.2f} | {r['triton_graph_ms']:>13.4f} {r['torch_graph_ms']:>8.4f} "
+              f"{r['graph_speedup']:>5.2f} {r['triton_graph_tflops']:>8.1f} | {comp}")
+
+    out_dir = Path(os.environ.get("OUT", "./bench_out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.version.cuda, "python": platform.python_version(),
+        "note": "median ms from triton.testing.do_bench (and do_bench_cudagraph for *_graph_ms); "
+                "TFLOP/s count dense (non-symmetric) FLOPs",
+    }
+    path = out_dir / "polar_express_bench.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

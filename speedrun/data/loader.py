@@ -1,0 +1,584 @@
+"""Training and validation batches from token shards (record recipe §5).
+
+Training (:class:`TrainLoader`) reads one document stream: the documents of the shards in the
+given order (a document is a BOS token and everything up to the next BOS or the shard end;
+documents never span shards), cycling back to the first shard when the last is used up.
+
+Each micro-step, rank ``r`` of ``W`` gets one *chunk* of exactly ``T + 1`` tokens
+(``T = tokens_per_rank``) made of whole consecutive documents:
+
+* every chunk starts at a BOS;
+* every document contributes at most ``max_seq_len`` tokens (its tail is skipped, not carried);
+* the last document is cut so the chunk holds exactly ``T + 1`` tokens; the rest of that document
+  is skipped and the next chunk starts at the next document;
+* ``inputs = chunk[:-1]``, ``targets = chunk[1:]``;
+* the chunks of one step are consecutive in the stream, rank order: rank ``r``'s ``k``-th batch
+  under ``W`` ranks is the ``(k*W + r)``-th batch of a single rank, so 8 ranks x 1 micro-step and
+  1 rank x 8 micro-steps see the same tokens.
+
+``cu_seqlens`` holds the document starts in ``[0, T)`` and then ``T``, padded with ``T`` (empty
+documents) to a fixed length ``max_docs + 1`` so compiled shapes stay static.
+
+Too many documents: a chunk of many very short documents can have more than ``max_docs`` of
+them.  Then neighbouring documents are merged into one attention segment (right to left, never
+making a segment longer than ``max_seq_len``) until ``max_docs`` segments remain.  No token is
+dropped and ``max_seqlen`` stays a true bound; attention inside a merged segment crosses the
+merged documents' boundaries (as in training without document masking).  The loader warns once
+and counts such batches in ``merged_batches``.  Greedy merging under the cap always reaches
+``2 * ceil(T / max_seq_len)`` segments or fewer, so ``max_docs`` below that is refused, and
+:func:`default_max_docs` (the record's table, else ``ceil(T/300/128)*128``) is never below it.
+
+Validation (:class:`ValLoader`) reads contiguous, not BOS-aligned, slices of the validation
+stream (the files concatenated): step ``s`` covers ``[s*T*W, (s+1)*T*W)`` and rank ``r`` takes
+``[s*T*W + r*T, ... + T)`` plus one token for the last target.  Documents are whole (no length
+cap), cut only at batch edges; ``cu_seqlens`` are the BOS positions and ``max_seqlen = T``.
+
+All arrays are built on the CPU with numpy; with a CUDA ``device`` they are pinned and copied with
+``non_blocking=True``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from speedrun.data.shards import check_vocab, load_shard, read_header, read_shard
+from speedrun.errors import DataError
+
+log = logging.getLogger(__name__)
+
+# Record: TRAIN_MAX_NUM_DOCS keyed by tokens per rank (recipe §5).
+_RECORD_MAX_DOCS = {16384: 64, 32768: 96, 49152: 128}
+_STATE_FORMAT = "speedrun.TrainLoader/1"
+
+
+@dataclass
+class Batch:
+    """One micro-batch for one rank.
+
+    inputs: (T,) int32 token ids.  targets: (T,) int64, ``targets[i]`` is the token after
+    ``inputs[i]``.  cu_seqlens: (max_docs + 1,) int32 segment starts in [0, T), then T, padded
+    with T.  max_seqlen: upper bound on a segment length (tokens).  num_docs: real segments
+    (unpadded ``len(cu_seqlens) - 1``).  bigram: (T,) int32 bigram-hash ids or None.
+    """
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    num_docs: int
+    bigram: torch.Tensor | None = None
+
+
+def min_max_docs(tokens_per_rank: int, max_seq_len: int) -> int:
+    """Smallest ``max_docs`` the merge rule can always honour: ``2 * ceil(T / max_seq_len)``."""
+    return 2 * math.ceil(tokens_per_rank / max_seq_len)
+
+
+def default_max_docs(tokens_per_rank: int, max_seq_len: int) -> int:
+    """Fixed ``cu_seqlens`` length - 1 for training batches.
+
+    The record's table ``{16384: 64, 32768: 96, 49152: 128}`` where it applies, else
+    ``max(ceil((T // 300) / 128) * 128, min(T, 128))`` (room for documents averaging 300 tokens),
+    and never below :func:`min_max_docs`.  Batches with more documents merge neighbours (see the module doc).
+    """
+    if tokens_per_rank in _RECORD_MAX_DOCS:
+        base = _RECORD_MAX_DOCS[tokens_per_rank]
+    else:
+        # min(T, 128): a batch of T tokens holds at most T documents, so small batches never merge
+        base = max(math.ceil((tokens_per_rank // 300) / 128) * 128, min(tokens_per_rank, 128))
+    return max(base, min_max_docs(tokens_per_rank, max_seq_len))
+
+
+def default_val_max_docs(tokens_per_rank: int) -> int:
+    """``ceil((T // 300) / 128) * 128``, at least 128 (the record's 896 for T = 262,144)."""
+    return max(128, math.ceil((tokens_per_rank // 300) / 128) * 128)
+
+
+def bigram_hash(inputs: torch.Tensor, mod: int) -> torch.Tensor:
+    """Bigram-hash ids (recipe §1.4): ``out[0] = mod``, ``out[t] = (36313*x[t] ^ 27191*x[t-1]) % mod``.
+
+    inputs: (T,) integer token ids.  Returns (T,) int32 in ``[0, mod]``, so the embedding table
+    has ``mod + 1`` rows (the record: 377,280 rows, ``mod = 377279``).  Computed in int64.
+    """
+    if inputs.dim() != 1:
+        raise ValueError(f"bigram_hash expects a 1-D tensor of token ids, got shape {tuple(inputs.shape)}")
+    if mod <= 0:
+        raise ValueError(f"bigram_hash modulus must be positive, got {mod}")
+    x = inputs.to(torch.int64)
+    out = torch.empty_like(x)
+    if x.numel():
+        out[0] = mod
+        out[1:] = torch.bitwise_xor(36313 * x[1:], 27191 * x[:-1]) % mod
+    return out.to(torch.int32)
+
+
+def _bigram_np(chunk: np.ndarray, mod: int) -> np.ndarray:
+    x = chunk.astype(np.int64)
+    out = np.empty(x.shape, dtype=np.int64)
+    if x.size:
+        out[0] = mod
+        np.remainder(np.bitwise_xor(36313 * x[1:], 27191 * x[:-1]), mod, out=out[1:])
+    return out.astype(np.int32)
+
+
+def _fit_segments(bounds: np.ndarray, max_docs: int, cap: int) -> np.ndarray:
+    """Merge neighbouring segments (right to left, merged length <= cap) until at most ``max_docs``.
+
+    bounds: (n+1,) int64 segment edges from 0 to T.  Returns the kept edges.
+    """
+    n = len(bounds) - 1
+    excess = n - max_docs
+    if excess <= 0:
+        return bounds
+    keep = np.ones(len(bounds), dtype=bool)
+    cur_end = int(bounds[n])
+    for k in range(n - 1, 0, -1):
+        if excess > 0 and cur_end - int(bounds[k - 1]) <= cap:
+            keep[k] = False  # drop edge k: segment k-1 joins the current one
+            excess -= 1
+        else:
+            cur_end = int(bounds[k])
+    out = bounds[keep]
+    if len(out) - 1 > max_docs:  # unreachable when max_docs >= min_max_docs (see module doc)
+        raise DataError(f"cannot fit {n} documents into max_docs={max_docs} segments of at most {cap} tokens")
+    return out
+
+
+def _host_arrays(chunk: np.ndarray, bounds: np.ndarray, max_docs: int, bigram_mod: int | None,
+                 pin: bool) -> dict[str, torch.Tensor | None]:
+    """CPU tensors of a batch (pinned if ``pin``).  chunk: (T+1,) uint16 tokens; bounds: (n+1,)
+    segment edges in [0, T] after merging."""
+    T = len(chunk) - 1
+    cu = np.full(max_docs + 1, T, dtype=np.int32)
+    cu[: len(bounds)] = bounds
+    arrays = {
+        "inputs": chunk[:-1].astype(np.int32),
+        "targets": chunk[1:].astype(np.int64),
+        "cu_seqlens": cu,
+        "bigram": None if bigram_mod is None else _bigram_np(chunk[:-1], bigram_mod),
+    }
+    out = {k: None if a is None else torch.from_numpy(a) for k, a in arrays.items()}
+    if pin:
+        out = {k: None if t is None else t.pin_memory() for k, t in out.items()}
+    return out
+
+
+def _to_batch(host: dict[str, torch.Tensor | None], num_docs: int, max_seqlen: int, device: torch.device) -> Batch:
+    if device.type != "cpu":
+        nb = device.type == "cuda"  # host tensors are pinned then
+        host = {k: None if t is None else t.to(device, non_blocking=nb) for k, t in host.items()}
+    return Batch(host["inputs"], host["targets"], host["cu_seqlens"], int(max_seqlen), int(num_docs), host["bigram"])
+
+
+def _check_files(files, what: str) -> list[Path]:
+    paths = [Path(f) for f in files]
+    if not paths:
+        raise DataError(f"no {what} files given (an empty list or a glob that matched nothing)")
+    for p in paths:
+        read_header(p)  # exists, is a file, header and size consistent
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+class _Shard:
+    """A shard in memory with its document index.  starts/lens: (D,) int64 BOS positions and
+    uncapped document lengths."""
+
+    def __init__(self, path: Path, bos_id: int, vocab_size: int | None):
+        self.path = path
+        self.tokens = load_shard(path, vocab_size)
+        self.starts = np.flatnonzero(self.tokens == bos_id).astype(np.int64)
+        if len(self.starts) == 0:
+            raise DataError(
+                f"{path}: no BOS token ({bos_id}) in {len(self.tokens):,} tokens; every document must start "
+                f"with BOS (wrong tokenizer or bos_id?)"
+            )
+        if self.starts[0] != 0:
+            log.warning("%s: %d tokens before the first BOS are skipped", path, int(self.starts[0]))
+        self.lens = np.diff(np.append(self.starts, len(self.tokens)))
+        self._cum: dict[int, np.ndarray] = {}
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.starts)
+
+    def capped(self, max_seq_len: int) -> np.ndarray:
+        return np.minimum(self.lens, max_seq_len)
+
+    def cum(self, max_seq_len: int) -> np.ndarray:
+        """(D+1,) int64 exclusive prefix sums of the capped document lengths."""
+        c = self._cum.get(max_seq_len)
+        if c is None:
+            c = np.zeros(self.num_docs + 1, dtype=np.int64)
+            np.cumsum(self.capped(max_seq_len), out=c[1:])
+            self._cum = {max_seq_len: c}  # one cap at a time: stages change it rarely
+        return c
+
+
+class _ShardStore:
+    """Loads shards on a background thread; keeps the most recent few in memory."""
+
+    def __init__(self, files: list[Path], bos_id: int, vocab_size: int | None, background: bool):
+        self.files, self.bos_id, self.vocab_size = files, bos_id, vocab_size
+        self._lock = threading.Lock()
+        self._futures: dict[int, concurrent.futures.Future] = {}
+        self._order: list[int] = []
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="speedrun-shard") if background else None
+
+    def _load(self, i: int) -> _Shard:
+        return _Shard(self.files[i], self.bos_id, self.vocab_size)
+
+    def _future(self, i: int) -> concurrent.futures.Future:
+        with self._lock:
+            fut = self._futures.get(i)
+            if fut is None:
+                if self._pool is not None:
+                    fut = self._pool.submit(self._load, i)
+                else:
+                    fut = concurrent.futures.Future()
+                    try:
+                        fut.set_result(self._load(i))
+                    except BaseException as e:
+                        fut.set_exception(e)
+                self._futures[i] = fut
+            if i in self._order:
+                self._order.remove(i)
+            self._order.append(i)
+            while len(self._order) > 3:  # current, next, and one being planned across
+                self._futures.pop(self._order.pop(0), None)
+            return fut
+
+    def get(self, i: int) -> _Shard:
+        fut = self._future(i)
+        try:
+            return fut.result()
+        except BaseException:
+            with self._lock:
+                self._futures.pop(i, None)  # let a later call retry (e.g. file fixed)
+            raise
+
+    def prefetch(self, i: int) -> None:
+        if self._pool is not None:
+            self._future(i)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        with self._lock:
+            self._futures.clear()
+
+
+@dataclass(frozen=True)
+class _Pos:
+    epoch: int
+    shard: int
+    doc: int
+
+
+class TrainLoader:
+    """BOS-aligned training batches for one rank (see the module doc for the exact rules).
+
+    files: shards in stream order.  tokens_per_rank: T, input tokens per micro-batch.
+    max_seq_len: document cap in tokens.  bos_id: the BOS token.  vocab_size: if given, every
+    shard is checked to have ids < vocab_size.  max_docs: fixed ``cu_seqlens`` length - 1
+    (default :func:`default_max_docs`).  prefetch: build the next batch and load the next shard
+    on background threads.  device: where batches are returned.  bigram_mod: if given, batches
+    carry ``bigram_hash(inputs, bigram_mod)``.
+    """
+
+    def __init__(self, files: list[Path], tokens_per_rank: int, max_seq_len: int, *, rank: int = 0,
+                 world_size: int = 1, bos_id: int, vocab_size: int | None = None, max_docs: int | None = None,
+                 prefetch: bool = True, device: str | torch.device = "cpu", bigram_mod: int | None = None):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if bigram_mod is not None and bigram_mod <= 0:
+            raise ValueError(f"bigram_mod must be positive, got {bigram_mod}")
+        self.files = _check_files(files, "training")
+        self.rank, self.world_size = rank, world_size
+        self.bos_id, self.vocab_size = int(bos_id), vocab_size
+        self.device = torch.device(device)
+        self.bigram_mod = bigram_mod
+        self.prefetch = prefetch
+        self.merged_batches = 0  # batches whose documents had to be merged to fit max_docs
+        self.epochs_completed = 0
+        self._warned_cycle = False
+        self._warned_merge = False
+        self._store = _ShardStore(self.files, self.bos_id, vocab_size, background=prefetch)
+        self._store.get(0)  # fail now on a bad first shard, not at the first step
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="speedrun-batch") if prefetch else None
+        self._pending: tuple[tuple, concurrent.futures.Future] | None = None
+        self._pos = _Pos(0, 0, 0)
+        self.set_shape(tokens_per_rank, max_seq_len, max_docs)
+
+    # -- shape and state ------------------------------------------------------------------------
+
+    def set_shape(self, tokens_per_rank: int, max_seq_len: int, max_docs: int | None = None) -> None:
+        """Change T, the document cap and ``max_docs`` from the next batch on (stage transitions)."""
+        if tokens_per_rank < 1 or max_seq_len < 1:
+            raise ValueError(f"tokens_per_rank ({tokens_per_rank}) and max_seq_len ({max_seq_len}) must be positive")
+        lo = min_max_docs(tokens_per_rank, max_seq_len)
+        if max_docs is None:
+            max_docs = default_max_docs(tokens_per_rank, max_seq_len)
+        elif max_docs < lo:
+            raise ValueError(
+                f"max_docs={max_docs} is too small for tokens_per_rank={tokens_per_rank}, max_seq_len={max_seq_len}: "
+                f"need at least 2*ceil(T/max_seq_len) = {lo} so over-full batches can always be merged"
+            )
+        self._discard_pending()
+        self.tokens_per_rank, self.max_seq_len, self.max_docs = int(tokens_per_rank), int(max_seq_len), int(max_docs)
+
+    def state_dict(self) -> dict:
+        """Position of the next batch :meth:`next_batch` returns (prefetched ones don't count)."""
+        return {
+            "format": _STATE_FORMAT,
+            "epoch": self._pos.epoch,
+            "shard": self._pos.shard,
+            "doc": self._pos.doc,
+            "files": [p.name for p in self.files],
+            "tokens_per_rank": self.tokens_per_rank,
+            "max_seq_len": self.max_seq_len,
+            "max_docs": self.max_docs,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at a :meth:`state_dict` position; the batches that follow are identical."""
+        if state.get("format") != _STATE_FORMAT:
+            raise DataError(f"not a TrainLoader state (format {state.get('format')!r}, expected {_STATE_FORMAT!r})")
+        names = [p.name for p in self.files]
+        if list(state["files"]) != names:
+            raise DataError(
+                f"loader state was saved for training files {state['files'][:3]}... ({len(state['files'])} files) "
+                f"but this loader reads {names[:3]}... ({len(names)} files); resume with the same files"
+            )
+        shard, doc = int(state["shard"]), int(state["doc"])
+        if not 0 <= shard < len(self.files) or doc < 0 or doc > self._store.get(shard).num_docs:
+            raise DataError(f"loader state position shard={shard} doc={doc} is outside the training files")
+        self.set_shape(int(state["tokens_per_rank"]), int(state["max_seq_len"]), int(state["max_docs"]))
+        self._pos = _Pos(int(state["epoch"]), shard, doc)
+        self.epochs_completed = self._pos.epoch
+
+    # -- batches ----------------------------------------------------------------------------------
+
+    def next_batch(self) -> Batch:
+        """The next micro-batch of this rank; advances the stream by ``world_size`` chunks."""
+        key = (self._pos, self.tokens_per_rank, self.max_seq_len, self.max_docs)
+        if self._pending is not None and self._pending[0] == key:
+            fut = self._pending[1]
+            self._pending = None
+            host, num_docs, next_pos, merged, cycled = fut.result()
+        else:
+            self._discard_pending()
+            host, num_docs, next_pos, merged, cycled = self._produce(*key)
+        self._pos = next_pos
+        self._note(merged, cycled)
+        if self._pool is not None:
+            nkey = (self._pos, self.tokens_per_rank, self.max_seq_len, self.max_docs)
+            self._pending = (nkey, self._pool.submit(self._produce, *nkey))
+        return _to_batch(host, num_docs, self.max_seq_len, self.device)
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            yield self.next_batch()
+
+    def close(self) -> None:
+        """Stop the background threads and free the shards; the loader is unusable afterwards."""
+        self._discard_pending()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self._store.close()
+
+    def __enter__(self) -> "TrainLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _discard_pending(self) -> None:
+        if self._pending is not None:
+            fut = self._pending[1]
+            self._pending = None
+            try:
+                fut.result()  # a few ms at most; errors resurface when the batch is really needed
+            except Exception:
+                pass
+
+    def _note(self, merged: bool, cycled: bool) -> None:
+        if cycled:
+            self.epochs_completed = self._pos.epoch
+            if not self._warned_cycle:
+                self._warned_cycle = True
+                msg = (f"training data exhausted: all {len(self.files)} shard(s) read, starting again from "
+                       f"{self.files[0].name} (further repeats are not reported)")
+                log.warning(msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        if merged:
+            self.merged_batches += 1
+            if not self._warned_merge:
+                self._warned_merge = True
+                msg = (f"a batch held more than max_docs={self.max_docs} documents; neighbouring short documents "
+                       f"were merged into shared attention segments (no tokens dropped; counted in merged_batches)")
+                log.warning(msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def _advance_shard(self, pos: _Pos) -> _Pos:
+        if pos.shard + 1 < len(self.files):
+            return _Pos(pos.epoch, pos.shard + 1, 0)
+        return _Pos(pos.epoch + 1, 0, 0)
+
+    def _plan(self, pos: _Pos, T: int, L: int) -> tuple[list[tuple[_Shard, int, int, int]], _Pos]:
+        """Pieces (shard, first doc, end doc, tokens of the last doc) of the chunk starting at pos."""
+        need = T + 1
+        pieces = []
+        while True:
+            sh = self._store.get(pos.shard)
+            cs = sh.cum(L)
+            n = sh.num_docs
+            d = min(pos.doc, n)
+            avail = int(cs[n] - cs[d])
+            if avail >= need:
+                j = int(np.searchsorted(cs, cs[d] + need, side="left"))
+                tail = need - int(cs[j - 1] - cs[d])
+                pieces.append((sh, d, j, tail))
+                pos = _Pos(pos.epoch, pos.shard, j)
+                if j == n:
+                    pos = self._advance_shard(pos)
+                break
+            if avail > 0:
+                pieces.append((sh, d, n, int(min(sh.lens[n - 1], L))))
+                need -= avail
+            pos = self._advance_shard(pos)
+        self._store.prefetch((pos.shard + 1) % len(self.files))
+        return pieces, pos
+
+    def _produce(self, pos: _Pos, T: int, L: int, max_docs: int):
+        """Build this rank's batch (CPU tensors) for the step starting at pos.
+
+        Returns (host tensors, segments, next position, whether documents were merged, whether
+        the stream wrapped around)."""
+        start_epoch = pos.epoch
+        mine = None
+        for r in range(self.world_size):
+            pieces, pos = self._plan(pos, T, L)
+            if r == self.rank:
+                mine = pieces
+        chunk_parts, len_parts = [], []
+        for sh, d0, d1, tail in mine:
+            lens = sh.capped(L)[d0:d1].copy()
+            lens[-1] = tail
+            starts = sh.starts[d0:d1]
+            offsets = np.cumsum(lens) - lens
+            idx = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - offsets, lens)
+            chunk_parts.append(sh.tokens[idx])
+            len_parts.append(lens)
+        chunk = np.concatenate(chunk_parts)
+        lens = np.concatenate(len_parts)
+        edges = np.concatenate(([0], np.cumsum(lens)))
+        bounds = np.append(edges[edges < T], T).astype(np.int64)
+        fitted = _fit_segments(bounds, max_docs, L)
+        host = _host_arrays(chunk, fitted, max_docs, self.bigram_mod, pin=self.device.type == "cuda")
+        return host, len(fitted) - 1, pos, len(fitted) != len(bounds), pos.epoch != start_epoch
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+
+
+class ValLoader:
+    """Contiguous validation batches (see the module doc): ``len(self)`` batches per pass.
+
+    files: validation shards, read as one concatenated stream.  num_tokens: tokens to evaluate
+    (rounded down to a multiple of ``tokens_per_rank * world_size``).
+    """
+
+    def __init__(self, files, num_tokens: int, tokens_per_rank: int, *, rank: int = 0, world_size: int = 1,
+                 bos_id: int, vocab_size: int | None = None, max_docs: int | None = None,
+                 device: str | torch.device = "cpu", bigram_mod: int | None = None):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if tokens_per_rank < 1:
+            raise ValueError(f"tokens_per_rank must be positive, got {tokens_per_rank}")
+        self.files = _check_files(files, "validation")
+        self.rank, self.world_size, self.tokens_per_rank = rank, world_size, int(tokens_per_rank)
+        self.bos_id, self.vocab_size = int(bos_id), vocab_size
+        self.max_docs = int(max_docs) if max_docs is not None else default_val_max_docs(self.tokens_per_rank)
+        if self.max_docs < 1:
+            raise ValueError(f"max_docs must be positive, got {max_docs}")
+        self.device = torch.device(device)
+        self.bigram_mod = bigram_mod
+        step = self.tokens_per_rank * world_size
+        self.num_batches = int(num_tokens) // step
+        if self.num_batches == 0:
+            raise DataError(
+                f"val_tokens={num_tokens:,} is less than one validation step of {step:,} tokens "
+                f"(tokens_per_rank {tokens_per_rank:,} x {world_size} ranks)"
+            )
+        need = self.num_batches * step + 1
+        self._parts: list[np.ndarray] = []
+        have = 0
+        for p in self.files:
+            if have >= need:
+                break
+            toks = read_shard(p)
+            use = toks[: need - have]
+            if vocab_size is not None:
+                check_vocab(use, vocab_size, p)
+            if len(use) and not (use == self.bos_id).any():
+                raise DataError(f"{p}: no BOS token ({self.bos_id}) in the {len(use):,} tokens used (wrong tokenizer or bos_id?)")
+            self._parts.append(toks)
+            have += len(toks)
+        if have < need:
+            raise DataError(
+                f"validation files ({', '.join(p.name for p in self.files[:3])}{'...' if len(self.files) > 3 else ''}) "
+                f"hold {have:,} tokens but {self.num_batches} steps of {step:,} need {need:,}; lower val_tokens "
+                f"to at most {max(have - 1, 0) // step * step:,} or add validation files"
+            )
+        self._offsets = np.concatenate(([0], np.cumsum([len(t) for t in self._parts]))).astype(np.int64)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def _slice(self, start: int, stop: int) -> np.ndarray:
+        out = []
+        i = int(np.searchsorted(self._offsets, start, side="right")) - 1
+        while start < stop:
+            lo = start - int(self._offsets[i])
+            take = min(stop - start, len(self._parts[i]) - lo)
+            out.append(np.asarray(self._parts[i][lo: lo + take]))
+            start += take
+            i += 1
+        return np.concatenate(out) if len(out) > 1 else out[0].copy()
+
+    def batch(self, step: int) -> Batch:
+        """This rank's batch of validation step ``step`` (0 <= step < len(self))."""
+        if not 0 <= step < self.num_batches:
+            raise IndexError(f"validation step {step} outside [0, {self.num_batches})")
+        T = self.tokens_per_rank
+        start = step * T * self.world_size + self.rank * T
+        chunk = self._slice(start, start + T + 1)
+        bos = np.flatnonzero(chunk[:T] == self.bos_id)
+        bounds = np.concatenate(([0], bos[bos > 0], [T])).astype(np.int64)
+        fitted = _fit_segments(bounds, self.max_docs, T)
+        host = _host_arrays(chunk, fitted, self.max_docs, self.bigram_mod, pin=self.device.type == "cuda")
+        return _to_batch(host, len(fitted) - 1, T, self.device)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for s in range(self.num_batches):
+            yield self.batch(s)

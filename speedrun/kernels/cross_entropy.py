@@ -1,0 +1,758 @@
+"""The loss head: lm_head GEMM (bf16 or FP8) + softcapped multi-token cross-entropy.
+
+The training loss at row ``t`` of a flat (varlen) batch of ``N`` tokens is
+
+    loss_t = sum_k w_k * CE(s_t, targets[t + k]) + prefix_weight * CE(s_t, prefix_targets[t])
+
+with softcapped logits ``s = A * sigmoid((z + B) / C)`` (record: A, B, C = 23, 5, 7.5), ``z = x @ W``
+and the log-softmax taken in fp32 over the *real* vocabulary only (columns ``>= vocab_size`` of a
+padded head are masked out and get zero gradient).
+
+Input format (the same everywhere in this module):
+
+* ``targets``: (N_t,) int64 (int32 accepted), ``N_t >= N``.  ``targets[t]`` is the next token of
+  row ``t``; the MTP term ``k`` (0-based, k=0 is the next token) of row ``t`` uses
+  ``targets[t + k]``.  Terms with ``t + k >= N_t`` (the end of the batch) are dropped, and so is
+  any term whose target is ``-1``.  MTP targets cross document boundaries, as in the record.
+  Passing ``N_t > N`` lets a caller evaluate a slice of rows that still sees the following targets.
+* ``mtp_weights``: (K,) fp32 tensor (or a sequence of floats), K >= 1; entry 0 weighs the next token.
+  A tensor on the device changes every step without recompiles or host copies.
+* ``prefix_targets``: (N,) int64 or ``None``; ``-1`` disables the term for that row.
+* ``prefix_weight``: float or 1-element fp32 tensor.
+* Any other target id outside ``[0, vocab_size)`` is invalid: the kernels turn that row's loss into
+  NaN (no host sync needed); on CPU tensors the Python entry points raise
+  :class:`speedrun.errors.DataError` first.
+
+Layout: the head weight is ``W`` of shape (D, V_pad), contiguous -- the record's "transposed"
+lm_head layout (768, 50304) -- so ``logits = x @ W``.
+
+What is here:
+
+* :func:`softcapped_multitoken_ce_reference` -- per-token loss in plain PyTorch (autograd-able).
+* :func:`softcapped_ce_fwd_bwd` (Triton) and :func:`softcapped_ce_fwd_bwd_reference` (PyTorch): one
+  pass over a logits matrix giving the per-token loss and ``dlogits = d(sum_t loss_t)/dlogits``
+  times ``grad_out_scale``, written as bf16/fp32 or directly as FP8 e5m2.
+* :func:`fused_softcapped_ce` (autograd Function :class:`FusedSoftcappedCE`) and its reference
+  :func:`fused_softcapped_ce_reference`: the whole head from ``x`` and ``W``.  Forward runs the GEMM
+  and the CE kernel, which also writes ``dlogits``; backward is two GEMMs.
+* :func:`softcapped_ce_eval` -- the validation loss (bf16 GEMM, softcap, fp32 ``F.cross_entropy``).
+
+FP8 (record §2.5): static tensorwise scales ``x_s = 100/448`` and ``w_s = 1.6/448`` quantise x and
+W to e4m3 for the forward GEMM; the CE kernel writes ``dlogits / g_s`` as e5m2 with
+``g_s = 0.75/448``; ``dX = dlogits @ W^T`` is e5m2 x e4m3 and ``dW = x^T @ dlogits`` is
+e4m3 x e5m2.  Unlike the record, backward honours ``grad_output`` (a per-row factor, applied to
+``dX`` rows and folded into the dW operand ``x`` at O(N*D) cost) instead of baking
+``grad_scale`` in at forward time; the e5m2 bytes are the same as the record's because its
+``grad_scale`` cancels between ``dlogits`` and ``grad_s = grad_scale * 0.75/448``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from speedrun.errors import DataError
+from speedrun.kernels.fp8_ops import quantize_tensorwise, scaled_mm, to_scale_tensor
+
+__all__ = [
+    "DEFAULT_SOFTCAP",
+    "X_SCALE",
+    "W_SCALE",
+    "GRAD_UNIT_SCALE",
+    "mtp_target_matrix",
+    "softcapped_multitoken_ce_reference",
+    "softcapped_ce_fwd_bwd",
+    "softcapped_ce_fwd_bwd_reference",
+    "FusedSoftcappedCE",
+    "fused_softcapped_ce",
+    "fused_softcapped_ce_reference",
+    "softcapped_ce_eval",
+]
+
+DEFAULT_SOFTCAP = (23.0, 5.0, 7.5)
+X_SCALE = 100.0 / 448.0  # real value of one e4m3 unit of x (record: lm_head x_s)
+W_SCALE = 1.6 / 448.0  # real value of one e4m3 unit of W (record: lm_head w_s)
+GRAD_UNIT_SCALE = 0.75 / 448.0  # real value of one e5m2 unit of dlogits (record grad_s / grad_scale)
+_E5M2_MAX = 57344.0
+
+# The Triton 3.6 interpreter's fp32 -> e5m2 cast gets the exponent wrong when rounding carries into
+# the next binade, and its fp32 -> bf16 cast truncates, so under TRITON_INTERPRET the kernel rounds
+# in software first (exactly, RTNE) and the cast only copies an already representable value.  Read once: never changes in a process.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# ----------------------------------------------------------------------------------------------
+# Input checks shared by every entry point
+
+
+def _weights_tensor(w: torch.Tensor | Sequence[float], device: torch.device, name: str) -> torch.Tensor:
+    if isinstance(w, torch.Tensor):
+        if not w.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor, got {w.dtype}")
+        return w.reshape(-1).to(device=device, dtype=torch.float32).contiguous()
+    return torch.tensor([float(v) for v in w], dtype=torch.float32, device=device)
+
+
+def _prefix_weight_tensor(pw: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    return to_scale_tensor(pw, device).reshape(1)
+
+
+def _check_targets(
+    n_rows: int,
+    targets: torch.Tensor,
+    prefix_targets: torch.Tensor | None,
+    vocab_size: int,
+    check_values: bool | None,
+) -> None:
+    for name, t, min_len in (("targets", targets, n_rows), ("prefix_targets", prefix_targets, n_rows)):
+        if t is None:
+            continue
+        if t.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name} must be int64 or int32 token ids, got {t.dtype}")
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D (one id per row), got shape {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous()), got stride {t.stride()}")
+        if name == "prefix_targets" and t.shape[0] != n_rows:
+            raise ValueError(f"prefix_targets must have one entry per row: {n_rows}, got {t.shape[0]}")
+        if t.shape[0] < min_len:
+            raise ValueError(f"{name} needs at least one entry per row ({n_rows}), got {t.shape[0]}")
+    if check_values is None:
+        check_values = targets.device.type == "cpu"
+    if check_values:
+        for name, t in (("targets", targets), ("prefix_targets", prefix_targets)):
+            if t is None or t.numel() == 0:
+                continue
+            lo, hi = int(t.min()), int(t.max())
+            if lo < -1 or hi >= vocab_size:
+                raise DataError(
+                    f"{name} hold ids in [{lo}, {hi}] but the head has vocab_size={vocab_size} "
+                    f"(valid ids: 0..{vocab_size - 1}, or -1 to mask a term)"
+                )
+
+
+def _check_softcap(softcap) -> None:
+    if softcap is None:
+        return
+    if len(softcap) != 3:
+        raise ValueError(f"softcap must be (A, B, C) for A*sigmoid((z+B)/C) or None, got {softcap!r}")
+    if softcap[0] <= 0 or softcap[2] == 0:
+        raise ValueError(f"softcap (A, B, C) needs A > 0 and C != 0, got {softcap!r}")
+
+
+def _check_logits(logits: torch.Tensor, vocab_size: int | None) -> int:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D (N, V_pad), got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point() or logits.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"logits must be bf16, fp16 or fp32, got {logits.dtype}")
+    if logits.stride(1) != 1:
+        raise ValueError(f"logits rows must be contiguous (stride(1) == 1), got strides {logits.stride()}")
+    v_pad = logits.shape[1]
+    vocab_size = v_pad if vocab_size is None else int(vocab_size)
+    if not 0 < vocab_size <= v_pad:
+        raise ValueError(f"vocab_size={vocab_size} must lie in [1, {v_pad}] (the logits' width)")
+    return vocab_size
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain-PyTorch references
+
+
+def _softcap(z: torch.Tensor, softcap) -> torch.Tensor:
+    if softcap is None:
+        return z
+    a, b, c = softcap
+    return a * torch.sigmoid((z + b) / c)
+
+
+def mtp_target_matrix(targets: torch.Tensor, n_rows: int, n_predict: int) -> torch.Tensor:
+    """(n_rows, n_predict) int64 matrix whose column k is ``targets[t + k]``, ``-1`` past the end.
+
+    ``targets``: (N_t,) with ``N_t >= n_rows``.  Only the end of ``targets`` is masked: rows near a
+    document boundary predict tokens of the next document, as in the record.
+    """
+    t = targets.to(torch.int64)
+    out = torch.full((n_rows, n_predict), -1, dtype=torch.int64, device=targets.device)
+    for k in range(n_predict):
+        m = max(0, min(n_rows, t.shape[0] - k))
+        out[:m, k] = t[k : k + m]
+    return out
+
+
+def _masked_logprobs(logits: torch.Tensor, vocab_size: int, softcap) -> torch.Tensor:
+    s = _softcap(logits.float(), softcap)
+    if vocab_size < s.shape[1]:
+        pad = torch.arange(s.shape[1], device=s.device) >= vocab_size
+        s = s.masked_fill(pad, float("-inf"))
+    return torch.log_softmax(s, dim=-1)
+
+
+def _term_nll(logp: torch.Tensor, target: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(-log p[target], active) per row; invalid ids give NaN, -1 gives an inactive zero."""
+    valid = (target >= 0) & (target < vocab_size)
+    bad = (target < -1) | (target >= vocab_size)
+    nll = -logp.gather(1, target.clamp(0, vocab_size - 1).unsqueeze(1)).squeeze(1)
+    nll = torch.where(valid, nll, torch.zeros_like(nll))
+    nll = torch.where(bad, torch.full_like(nll, float("nan")), nll)
+    return nll, valid
+
+
+def softcapped_multitoken_ce_reference(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    mtp_weights: torch.Tensor | Sequence[float] = (1.0,),
+    prefix_targets: torch.Tensor | None = None,
+    prefix_weight: float | torch.Tensor = 0.0,
+    softcap: tuple[float, float, float] | None = DEFAULT_SOFTCAP,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Per-token softcapped multi-token + prefix-token cross-entropy, plain PyTorch.
+
+    ``logits``: (N, V_pad) any float dtype (upcast to fp32); ``targets``: (N_t >= N,) ids;
+    ``mtp_weights``: (K,); ``prefix_targets``: (N,) or None; ``prefix_weight``: float or tensor;
+    ``softcap``: (A, B, C) or None for raw logits; ``vocab_size``: real vocabulary (columns at or
+    beyond it are excluded from the softmax), default V_pad.  Returns (N,) fp32 losses in nats,
+    differentiable w.r.t. ``logits``.  See the module docstring for the masking rules.
+    """
+    vocab_size = _check_logits(logits, vocab_size)
+    _check_softcap(softcap)
+    n = logits.shape[0]
+    _check_targets(n, targets, prefix_targets, vocab_size, check_values=False)
+    w = _weights_tensor(mtp_weights, logits.device, "mtp_weights")
+    logp = _masked_logprobs(logits, vocab_size, softcap)
+    tm = mtp_target_matrix(targets, n, w.numel())
+    loss = torch.zeros(n, dtype=torch.float32, device=logits.device)
+    for k in range(w.numel()):
+        nll, _ = _term_nll(logp, tm[:, k], vocab_size)
+        loss = loss + w[k] * nll
+    if prefix_targets is not None:
+        nll, _ = _term_nll(logp, prefix_targets.to(torch.int64), vocab_size)
+        loss = loss + _prefix_weight_tensor(prefix_weight, logits.device)[0] * nll
+    return loss
+
+
+def _store_grad(g: torch.Tensor, grad_dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    if grad_dtype == torch.float8_e5m2:
+        q = quantize_tensorwise(g, 1.0, torch.float8_e5m2)
+    else:
+        q = g.to(grad_dtype)
+    if out is None:
+        return q
+    out.copy_(q)
+    return out
+
+
+def softcapped_ce_fwd_bwd_reference(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    mtp_weights: torch.Tensor | Sequence[float] = (1.0,),
+    prefix_targets: torch.Tensor | None = None,
+    prefix_weight: float | torch.Tensor = 0.0,
+    *,
+    softcap: tuple[float, float, float] | None = DEFAULT_SOFTCAP,
+    vocab_size: int | None = None,
+    grad_out_scale: float = 1.0,
+    grad_dtype: torch.dtype | None = None,
+    losses_out: torch.Tensor | None = None,
+    dlogits_out: torch.Tensor | None = None,
+    check_targets: bool | None = None,
+    block_v: int | None = None,
+    block_m: int | None = None,
+    num_warps: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for :func:`softcapped_ce_fwd_bwd` (same signature), by autograd in fp32.
+
+    Returns ``(losses, dlogits)``: losses (N,) fp32; dlogits (N, V_pad) in ``grad_dtype`` (default
+    ``logits.dtype``; ``torch.float8_e5m2`` saturates at +-57344) equal to
+    ``grad_out_scale * d(sum_t loss_t)/d logits``, zero in padded columns.  ``block_v``,
+    ``block_m`` and ``num_warps`` (tuning knobs of the kernel) are ignored.
+    """
+    vocab_size = _check_logits(logits, vocab_size)
+    _check_targets(logits.shape[0], targets, prefix_targets, vocab_size, check_targets)
+    grad_dtype = logits.dtype if grad_dtype is None else grad_dtype
+    with torch.enable_grad():
+        z = logits.detach().float().requires_grad_(True)
+        loss = softcapped_multitoken_ce_reference(
+            z, targets, mtp_weights, prefix_targets, prefix_weight, softcap, vocab_size
+        )
+        (g,) = torch.autograd.grad(loss.sum(), z)
+    g = torch.nan_to_num(g, nan=0.0) * grad_out_scale  # rows with invalid ids have NaN loss anyway
+    losses = loss.detach()
+    if losses_out is not None:
+        losses = losses_out.copy_(losses)
+    return losses, _store_grad(g, grad_dtype, dlogits_out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+
+
+@triton.jit
+def _ce_fwd_bwd_kernel(
+    logits_ptr,
+    stride_logits,
+    dlogits_ptr,
+    stride_dlogits,
+    losses_ptr,
+    targets_ptr,
+    n_rows,
+    n_targets,
+    mtp_w_ptr,
+    prefix_ptr,
+    prefix_w_ptr,
+    n_cols,
+    vocab_size,
+    cap_a,
+    cap_b,
+    inv_c,
+    grad_mult,
+    N_PREDICT: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    GRAD_FP8: tl.constexpr,
+    SOFT_ROUND: tl.constexpr,
+    SOFT_ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # Each program owns BLOCK_M whole rows.  Pass 1 reads them for the log-sum-exp, pass 2 reads
+    # them again and writes dlogits; at the record's vocab a row is 100 KB, usually still in L2.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    logit_rows = logits_ptr + rows[:, None] * stride_logits
+    grad_rows = dlogits_ptr + rows[:, None] * stride_dlogits
+    offs = tl.arange(0, BLOCK_V)
+
+    # `while` rather than `for ... in range(runtime bound)`: the Triton 3.6 interpreter cannot
+    # index a runtime scalar under NumPy >= 2.4, and the CPU tests run there.
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    start = 0
+    while start < vocab_size:
+        cols = start + offs
+        real = cols < vocab_size
+        z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
+        if SOFTCAP:
+            z = cap_a / (1.0 + tl.exp(-(z + cap_b) * inv_c))
+        z = tl.where(real[None, :], z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+        m = m_new
+        start += BLOCK_V
+    lse = m + tl.log(l)
+
+    loss = tl.zeros([BLOCK_M], tl.float32)
+    weight_sum = tl.zeros([BLOCK_M], tl.float32)
+    bad = rows < 0
+    for k in tl.static_range(N_PREDICT):
+        t = tl.load(targets_ptr + rows + k, mask=row_ok & (rows + k < n_targets), other=-1).to(tl.int64)
+        w = tl.load(mtp_w_ptr + k)
+        ok = (t >= 0) & (t < vocab_size)
+        bad = bad | (t < -1) | (t >= vocab_size)
+        zt = tl.load(logits_ptr + rows * stride_logits + t, mask=row_ok & ok, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            zt = cap_a / (1.0 + tl.exp(-(zt + cap_b) * inv_c))
+        loss += tl.where(ok, w * (lse - zt), 0.0)
+        weight_sum += tl.where(ok, w, 0.0)
+    if HAS_PREFIX:
+        pt = tl.load(prefix_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+        pw = tl.load(prefix_w_ptr)
+        ok = (pt >= 0) & (pt < vocab_size)
+        bad = bad | (pt < -1) | (pt >= vocab_size)
+        zt = tl.load(logits_ptr + rows * stride_logits + pt, mask=row_ok & ok, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            zt = cap_a / (1.0 + tl.exp(-(zt + cap_b) * inv_c))
+        loss += tl.where(ok, pw * (lse - zt), 0.0)
+        weight_sum += tl.where(ok, pw, 0.0)
+    tl.store(losses_ptr + rows, tl.where(bad, float("nan"), loss), mask=row_ok)
+
+    # d loss / d s_j = weight_sum * p_j - (sum of the weights whose target is j); the target
+    # columns are corrected in the same dense pass (one compare per term), so no scattered writes.
+    start = 0
+    while start < n_cols:
+        cols = start + offs
+        real = cols < vocab_size
+        z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
+        if SOFTCAP:
+            u = 1.0 / (1.0 + tl.exp(-(z + cap_b) * inv_c))
+            p = tl.exp(cap_a * u - lse[:, None])
+            ds_dz = (cap_a * inv_c) * u * (1.0 - u)
+        else:
+            p = tl.exp(z - lse[:, None])
+            ds_dz = 1.0
+        hit = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+        for k in tl.static_range(N_PREDICT):
+            t = tl.load(targets_ptr + rows + k, mask=row_ok & (rows + k < n_targets), other=-1).to(tl.int64)
+            w = tl.load(mtp_w_ptr + k)
+            hit += tl.where(cols[None, :] == t[:, None], w, 0.0)
+        if HAS_PREFIX:
+            hit += tl.where(cols[None, :] == pt[:, None], pw, 0.0)
+        g = (weight_sum[:, None] * p - hit) * ds_dz * grad_mult
+        g = tl.where(real[None, :], g, 0.0)
+        if GRAD_FP8:
+            g = tl.minimum(tl.maximum(g, -57344.0), 57344.0)
+            if SOFT_ROUND:
+                # Round exactly (RTNE) in fp32 first: adding and subtracting 1.5 * 2**(q + 23)
+                # rounds to a multiple of 2**q, q being the e5m2 spacing at |g| (two mantissa
+                # bits, fixed below the normal range).
+                bits = g.to(tl.int32, bitcast=True)
+                q_exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -14) - 2
+                magic = (((q_exp + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+                r = (tl.abs(g) + magic) - magic
+                g = tl.where(g < 0, -r, r)
+            out = g.to(tl.float8e5, fp_downcast_rounding="rtne")
+        else:
+            if SOFT_ROUND_BF16:
+                # RTNE to bf16 on the fp32 bits (the interpreter's own cast truncates).
+                bits = g.to(tl.int32, bitcast=True)
+                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+                g = bits.to(tl.float32, bitcast=True)
+            out = g.to(dlogits_ptr.dtype.element_ty)
+        tl.store(grad_rows + cols[None, :], out, mask=row_ok[:, None] & (cols < n_cols)[None, :])
+        start += BLOCK_V
+
+
+_GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e5m2)
+
+
+def _default_block_v(n_cols: int) -> int:
+    return min(4096, triton.next_power_of_2(max(n_cols, 16)))
+
+
+def softcapped_ce_fwd_bwd(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    mtp_weights: torch.Tensor | Sequence[float] = (1.0,),
+    prefix_targets: torch.Tensor | None = None,
+    prefix_weight: float | torch.Tensor = 0.0,
+    *,
+    softcap: tuple[float, float, float] | None = DEFAULT_SOFTCAP,
+    vocab_size: int | None = None,
+    grad_out_scale: float = 1.0,
+    grad_dtype: torch.dtype | None = None,
+    losses_out: torch.Tensor | None = None,
+    dlogits_out: torch.Tensor | None = None,
+    check_targets: bool | None = None,
+    block_v: int | None = None,
+    block_m: int | None = None,
+    num_warps: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss and its logits gradient in one Triton pass (forward and backward together).
+
+    ``logits``: (N, V_pad) bf16/fp16/fp32 with unit column stride; targets etc. as in the module
+    docstring.  Returns ``(losses, dlogits)``: losses (N,) fp32 in nats; dlogits (N, V_pad) in
+    ``grad_dtype`` (default ``logits.dtype``; ``torch.float8_e5m2`` for the FP8 head, saturating at
+    +-57344) holding ``grad_out_scale * d(sum_t loss_t)/d logits`` -- zero in padded columns.
+    ``losses_out`` / ``dlogits_out`` are optional preallocated outputs (contiguous).
+    ``check_targets``: verify id ranges on the host (None: only for CPU tensors, where it is free).
+    ``block_v``: vocabulary chunk per loop step (power of two), default min(4096, V_pad);
+    ``block_m``: rows per program (power of two), default 1 (64 under the interpreter);
+    ``num_warps``: Triton warps per program.
+    """
+    vocab_size = _check_logits(logits, vocab_size)
+    _check_softcap(softcap)
+    n, v_pad = logits.shape
+    _check_targets(n, targets, prefix_targets, vocab_size, check_targets)
+    grad_dtype = logits.dtype if grad_dtype is None else grad_dtype
+    if grad_dtype not in _GRAD_DTYPES:
+        raise ValueError(f"grad_dtype must be one of {_GRAD_DTYPES}, got {grad_dtype}")
+    device = logits.device
+    for name, t in (("targets", targets), ("prefix_targets", prefix_targets)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but logits are on {device}")
+    w = _weights_tensor(mtp_weights, device, "mtp_weights")
+    if w.numel() < 1:
+        raise ValueError("mtp_weights needs at least one entry (the next-token weight)")
+    pw = _prefix_weight_tensor(prefix_weight, device)
+
+    if losses_out is None:
+        losses_out = torch.empty(n, dtype=torch.float32, device=device)
+    elif losses_out.shape != (n,) or losses_out.dtype != torch.float32 or not losses_out.is_contiguous():
+        raise ValueError(f"losses_out must be a contiguous fp32 tensor of shape ({n},)")
+    if dlogits_out is None:
+        dlogits_out = torch.empty((n, v_pad), dtype=grad_dtype, device=device)
+    elif dlogits_out.shape != (n, v_pad) or dlogits_out.dtype != grad_dtype or dlogits_out.stride(1) != 1:
+        raise ValueError(f"dlogits_out must be {grad_dtype} of shape ({n}, {v_pad}) with unit column stride")
+    if n == 0:
+        return losses_out, dlogits_out
+
+    block_v = _default_block_v(v_pad) if block_v is None else int(block_v)
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+    if block_m is None:
+        # The interpreter pays per operation, not per element: whole-batch tiles keep tests fast.
+        block_m = min(64, triton.next_power_of_2(n)) if _INTERPRET else 1
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 1, got {block_m}")
+    a, b, c = softcap if softcap is not None else (1.0, 0.0, 1.0)
+    _ce_fwd_bwd_kernel[(triton.cdiv(n, block_m),)](
+        logits,
+        logits.stride(0),
+        dlogits_out,
+        dlogits_out.stride(0),
+        losses_out,
+        targets,
+        n,
+        targets.shape[0],
+        w,
+        prefix_targets if prefix_targets is not None else targets,
+        pw,
+        v_pad,
+        vocab_size,
+        float(a),
+        float(b),
+        1.0 / float(c),
+        float(grad_out_scale),
+        N_PREDICT=w.numel(),
+        HAS_PREFIX=prefix_targets is not None,
+        SOFTCAP=softcap is not None,
+        GRAD_FP8=grad_dtype == torch.float8_e5m2,
+        SOFT_ROUND=_INTERPRET,
+        SOFT_ROUND_BF16=_INTERPRET and grad_dtype == torch.bfloat16,
+        BLOCK_M=block_m,
+        BLOCK_V=block_v,
+        num_warps=num_warps,
+    )
+    return losses_out, dlogits_out
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole head: GEMM + CE forward, GEMM backward
+
+
+def _check_head_inputs(x: torch.Tensor, weight: torch.Tensor, vocab_size: int | None) -> int:
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(
+            f"x must be (N, D) and weight (D, V_pad); got x {tuple(x.shape)} and weight {tuple(weight.shape)}"
+        )
+    if x.shape[1] != weight.shape[0]:
+        raise ValueError(
+            f"weight must be laid out (D, V_pad) = ({x.shape[1]}, V_pad) to match x {tuple(x.shape)}, "
+            f"got {tuple(weight.shape)} (the record's transposed lm_head layout)"
+        )
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"{name} must be bf16, fp16 or fp32, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device} but weight on {weight.device}")
+    v_pad = weight.shape[1]
+    vocab_size = v_pad if vocab_size is None else int(vocab_size)
+    if not 0 < vocab_size <= v_pad:
+        raise ValueError(f"vocab_size={vocab_size} must lie in [1, {v_pad}] (weight's V_pad)")
+    return vocab_size
+
+
+def _ce_impl(backend: str):
+    if backend == "triton":
+        return softcapped_ce_fwd_bwd
+    if backend == "reference":
+        return softcapped_ce_fwd_bwd_reference
+    raise ValueError(f"ce_backend must be 'triton' or 'reference', got {backend!r}")
+
+
+class FusedSoftcappedCE(torch.autograd.Function):
+    """Autograd Function behind :func:`fused_softcapped_ce` (positional arguments in its order)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x,
+        weight,
+        targets,
+        mtp_weights,
+        prefix_targets,
+        prefix_weight,
+        use_fp8,
+        vocab_size,
+        softcap,
+        x_scale,
+        w_scale,
+        grad_unit_scale,
+        ce_backend,
+    ):
+        ce = _ce_impl(ce_backend)
+        if use_fp8:
+            x_f8 = quantize_tensorwise(x, x_scale, torch.float8_e4m3fn)
+            w_f8 = quantize_tensorwise(weight, w_scale, torch.float8_e4m3fn)  # (D, V) row-major
+            # FP8 tensor cores want B column-major: one transposed copy of the quantised weight.
+            logits = scaled_mm(x_f8, w_f8.t().contiguous().t(), x_scale, w_scale, torch.bfloat16, use_fast_accum=True)
+            losses, dlogits = ce(
+                logits, targets, mtp_weights, prefix_targets, prefix_weight, softcap=softcap,
+                vocab_size=vocab_size, grad_out_scale=1.0 / grad_unit_scale, grad_dtype=torch.float8_e5m2,
+            )
+            ctx.save_for_backward(x, w_f8, dlogits)
+        else:
+            logits = x @ weight
+            losses, dlogits = ce(
+                logits, targets, mtp_weights, prefix_targets, prefix_weight, softcap=softcap,
+                vocab_size=vocab_size, grad_out_scale=1.0, grad_dtype=x.dtype,
+            )
+            ctx.save_for_backward(x, weight, dlogits)
+        del logits
+        ctx.use_fp8 = use_fp8
+        ctx.scales = (x_scale, w_scale, grad_unit_scale)
+        ctx.weight_dtype = weight.dtype
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        x, w_saved, dlogits = ctx.saved_tensors
+        x_scale, w_scale, g_unit = ctx.scales
+        go = grad_losses.float().reshape(-1, 1)
+        dx = dw = None
+        if ctx.use_fp8:
+            if ctx.needs_input_grad[0]:
+                # w_f8 is (D, V) row-major, so its .t() is the column-major B this GEMM needs.
+                dx = scaled_mm(dlogits, w_saved.t(), g_unit, w_scale, x.dtype, use_fast_accum=False)
+                dx = (dx.float() * go).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                # Fold the per-row grad_output into x; scaling by its max keeps the e4m3 range of
+                # the forward quantisation when grad_output is uniform (the usual loss.sum()*c).
+                amax = go.abs().amax().clamp_min(1e-30)
+                xg_scale = amax * x_scale
+                xg_t = quantize_tensorwise((x.float() * go).t(), xg_scale, torch.float8_e4m3fn).contiguous()
+                d_col = dlogits.t().contiguous().t()
+                dw = scaled_mm(xg_t, d_col, xg_scale, g_unit, ctx.weight_dtype, use_fast_accum=False)
+        else:
+            if ctx.needs_input_grad[0]:
+                dx = ((dlogits @ w_saved.t()).float() * go).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                dw = ((x.float() * go).to(x.dtype).t() @ dlogits).to(ctx.weight_dtype)
+        return dx, dw, None, None, None, None, None, None, None, None, None, None, None
+
+
+def fused_softcapped_ce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    mtp_weights: torch.Tensor | Sequence[float] = (1.0,),
+    prefix_targets: torch.Tensor | None = None,
+    prefix_weight: float | torch.Tensor = 0.0,
+    *,
+    use_fp8: bool = False,
+    vocab_size: int | None = None,
+    softcap: tuple[float, float, float] | None = DEFAULT_SOFTCAP,
+    x_scale: float = X_SCALE,
+    w_scale: float = W_SCALE,
+    grad_unit_scale: float = GRAD_UNIT_SCALE,
+    ce_backend: str = "triton",
+) -> torch.Tensor:
+    """Training loss head: per-token losses (N,) fp32 from hidden states ``x`` and head ``weight``.
+
+    ``x``: (N, D) bf16 (fp16/fp32 allowed off the FP8 path), contiguous; ``weight``: (D, V_pad),
+    contiguous, same dtype (the record's lm_head (768, 50304)); ``vocab_size``: real vocabulary
+    (record 50257), columns beyond it are masked.  ``use_fp8``: e4m3 forward GEMM with static
+    scales ``x_scale``/``w_scale``, dlogits stored as e5m2 in units of ``grad_unit_scale``, and FP8
+    backward GEMMs; on devices without FP8 tensor cores the GEMMs are emulated exactly in fp32
+    (see :mod:`speedrun.kernels.fp8_ops`).  On CUDA the FP8 path needs N, D, V_pad divisible by 16.
+
+    Forward also computes ``dlogits`` (kept for backward, N*V_pad elements: 2.5 GB in e5m2 at
+    N=49152), so backward is only the dX and dW GEMMs; ``grad_output`` is honoured per row.
+    Gradients flow to ``x`` and ``weight`` only.  ``ce_backend="reference"`` swaps the Triton CE
+    kernel for the PyTorch reference (tests).
+    """
+    vocab_size = _check_head_inputs(x, weight, vocab_size)
+    _check_softcap(softcap)
+    if use_fp8 and x.device.type == "cuda":
+        n, d = x.shape
+        if n % 16 or d % 16 or weight.shape[1] % 16:
+            raise ValueError(
+                f"the FP8 head needs N, D and V_pad divisible by 16 on CUDA, got N={n}, D={d}, V_pad={weight.shape[1]}"
+            )
+    softcap = None if softcap is None else tuple(float(v) for v in softcap)
+    return FusedSoftcappedCE.apply(
+        x, weight, targets, mtp_weights, prefix_targets, prefix_weight, bool(use_fp8), vocab_size,
+        softcap, float(x_scale), float(w_scale), float(grad_unit_scale), ce_backend,
+    )
+
+
+class _FakeQuantE4M3(torch.autograd.Function):
+    """Quantise-dequantise to e4m3 with a straight-through gradient (the FP8 reference's model)."""
+
+    @staticmethod
+    def forward(ctx, t, scale):
+        return quantize_tensorwise(t, scale, torch.float8_e4m3fn).float() * scale
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def fused_softcapped_ce_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    mtp_weights: torch.Tensor | Sequence[float] = (1.0,),
+    prefix_targets: torch.Tensor | None = None,
+    prefix_weight: float | torch.Tensor = 0.0,
+    *,
+    use_fp8: bool = False,
+    vocab_size: int | None = None,
+    softcap: tuple[float, float, float] | None = DEFAULT_SOFTCAP,
+    x_scale: float = X_SCALE,
+    w_scale: float = W_SCALE,
+    grad_unit_scale: float = GRAD_UNIT_SCALE,
+    ce_backend: str = "triton",
+) -> torch.Tensor:
+    """Reference for :func:`fused_softcapped_ce` (same signature) by plain autograd.
+
+    bf16: ``logits = x @ weight`` in the input dtype, then the reference loss.  FP8: x and W are
+    quantised to e4m3 and dequantised (straight-through gradient), multiplied in fp32 and rounded
+    to bf16 -- the forward of the fused path exactly -- while the backward is exact (no e5m2
+    rounding of dlogits, no FP8 backward GEMMs): it is the gradient the FP8 path approximates.
+    ``grad_unit_scale`` and ``ce_backend`` are accepted for signature parity and unused.
+    """
+    vocab_size = _check_head_inputs(x, weight, vocab_size)
+    if use_fp8:
+        xq = _FakeQuantE4M3.apply(x, x_scale)
+        wq = _FakeQuantE4M3.apply(weight, w_scale)
+        logits = (xq @ wq).to(torch.bfloat16)
+    else:
+        logits = x @ weight
+    return softcapped_multitoken_ce_reference(
+        logits, targets, mtp_weights, prefix_targets, prefix_weight, softcap, vocab_size
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation loss
+
+
+def softcapped_ce_eval(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int | None = None,
+    softcap: tuple[float, float, float] | None = DEFAULT_SOFTCAP,
+    chunk_rows: int = 8192,
+) -> torch.Tensor:
+    """Validation loss: per-token fp32 next-token CE (no MTP, no prefix term).
+
+    ``x``: (N, D); ``weight``: (D, V_pad); ``targets``: (N,) ids, ``-1`` gives loss 0 (ignored).
+    Logits come from a GEMM in the input dtype (bf16 in training), are softcapped in fp32 and fed
+    to ``F.cross_entropy`` with padded columns masked.  Rows go ``chunk_rows`` at a time so the
+    fp32 logits never exceed ``chunk_rows * V_pad * 4`` bytes.  Returns (N,) fp32 nats.
+    """
+    vocab_size = _check_head_inputs(x, weight, vocab_size)
+    _check_softcap(softcap)
+    if targets.dim() != 1 or targets.shape[0] != x.shape[0]:
+        raise ValueError(f"targets must be (N,) = ({x.shape[0]},), got {tuple(targets.shape)}")
+    _check_targets(x.shape[0], targets, None, vocab_size, None)
+    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    for start in range(0, x.shape[0], max(1, int(chunk_rows))):
+        end = min(start + chunk_rows, x.shape[0])
+        s = _softcap((x[start:end] @ weight).float(), softcap)
+        if vocab_size < s.shape[1]:
+            pad = torch.arange(s.shape[1], device=s.device) >= vocab_size
+            s = s.masked_fill(pad, float("-inf"))
+        out[start:end] = F.cross_entropy(s, targets[start:end].long(), reduction="none", ignore_index=-1)
+    return out

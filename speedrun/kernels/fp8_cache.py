@@ -1,0 +1,423 @@
+"""FP8 quantisation into both layouts from one read, and the per-optimizer-update FP8 weight cache.
+
+Hopper FP8 GEMMs (``torch._scaled_mm``) take both operands K-major, so a weight ``W`` (R, C) used as
+``x @ W.T`` in the forward and as ``g @ W`` in the backward is needed twice: row-major (R, C) and
+transposed (C, R).  :func:`quantize_dual_layout` reads each bf16 element once and writes both FP8
+layouts plus the absolute maximum of what it read (the amax that sets the *next* delayed scale).
+
+Scale convention (everywhere in ``speedrun.kernels``): a *dequantisation* scale ``s`` (fp32) with
+``real ~= fp8 * s``.  Quantisation is ``clamp(w * (1 / s), -FMAX, FMAX)`` rounded to nearest even,
+with ``1 / s`` computed once in IEEE fp32, so the Triton kernel and the PyTorch reference agree
+bit for bit.  FMAX is 448 for e4m3 (``torch.float8_e4m3fn``) and 57344 for e5m2.
+
+:class:`FP8WeightCache` holds, for a set of named weights, both FP8 layouts and their scales.  It is
+refreshed once per optimizer update (after ``optimizer.step()``), used by forward and backward, and
+raises :class:`StaleFP8CacheError` when read after the weights changed without a refresh; it never
+rebuilds itself inside a step.
+
+Weight scaling policy (documented here, used by the cache):
+
+* The first ``bootstrap_refreshes`` refreshes of a name use **current scaling**:
+  ``s = amax(w) / 448`` from an extra read of ``w`` (one ``abs().amax`` pass), so a fresh or
+  zero-initialised weight gets a sane scale.  (The record re-bootstraps for its first 16 steps.)
+* After that, **delayed scaling**: ``s = max(amax_prev, 1e-12) * headroom / 448`` where
+  ``amax_prev`` is the amax the kernel measured while quantising the previous update's weights.
+  One optimizer update moves weights by a small fraction, so ``headroom`` (default 1.12, as in the
+  record's W2 cache) covers the growth; anything larger saturates at +-448 (never inf/NaN).
+  :meth:`FP8WeightCache.saturated` reports, on device, whether the last refresh clipped.
+* A ``multiplier`` (tensor or float) per name is folded into the returned dequantisation scale:
+  the cache then represents ``multiplier * w`` while the FP8 payload stays ``quantise(w)``.  This is
+  how a per-layer scalar such as the attention ``sa_lambda`` rides along for free.  No gradient flows
+  to the multiplier through the cache.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+AMAX_FLOOR = 1e-12  # keeps an all-zero tensor's scale finite (its payload is then all zeros)
+
+
+class StaleFP8CacheError(RuntimeError):
+    """The FP8 weight cache was read after an optimizer update without :meth:`FP8WeightCache.refresh`."""
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_usable(t: torch.Tensor) -> bool:
+    """Whether a Triton kernel can run on ``t``'s device here (CUDA, or CPU under the interpreter)."""
+    return t.is_cuda or (t.device.type == "cpu" and interpreting())
+
+
+# (mantissa bits, smallest normal exponent) of each storage format, for _round_to_grid.
+GRID = {E4M3: (3, -6), E5M2: (2, -14), torch.bfloat16: (7, -126), torch.float16: (10, -14)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _round_to_grid(v, MANT: tl.constexpr, EMIN: tl.constexpr, SUB_C: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    """Round fp32 ``v`` to nearest-even on a float grid with MANT mantissa bits (result still fp32).
+
+    Only for the CPU interpreter, whose fp32 -> bf16/fp8 casts truncate or drop the carry into the
+    exponent; rounding first makes its cast exact.  On GPU the hardware cast (cvt.rn) is used.
+    Normals: add half an ulp (ties to even) to the bit pattern and clear the dropped bits.
+    Subnormals (|v| < 2**EMIN): the fixed-ulp magic-number trick, SUB_C = 1.5 * 2**(23 + EMIN - MANT).
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    lsb = (bits >> (23 - MANT)) & 1
+    r = ((bits + ((1 << (22 - MANT)) - 1) + lsb) >> (23 - MANT)) << (23 - MANT)
+    normal = r.to(tl.float32, bitcast=True)
+    # On |v|, then v's sign bit put back, so tiny negatives round to -0 like the hardware.
+    mag = (tl.abs(v) + SUB_C) - SUB_C
+    sub = (mag.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(v) < MIN_NORMAL, sub, normal)
+
+
+@triton.jit
+def _fp8_bits(qf, E5M2: tl.constexpr, EXACT_CASTS: tl.constexpr):
+    """fp32 (already clamped and, for the interpreter, grid-rounded) -> FP8 bit pattern as uint8.
+
+    Raw bytes, because stores of fp8 tiles in both layouts from one kernel can be miscompiled by
+    ptxas 12.9 on sm90 (triton-lang/triton#11111) while uint8 stores are fine.
+    """
+    if E5M2:
+        q = qf.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        q = qf.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    if EXACT_CASTS:
+        # The interpreter's cast drops the sign of -0; the hardware's keeps it.
+        q = q | ((qf.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    return q
+
+
+def grid_constants(dtype: torch.dtype) -> dict:
+    """Constexpr arguments of :func:`_round_to_grid` for a storage dtype (prefixed by the caller)."""
+    mant, emin = GRID[dtype]
+    return dict(MANT=mant, EMIN=emin, SUB_C=1.5 * 2.0 ** (23 + emin - mant), MIN_NORMAL=2.0**emin)
+
+
+@triton.jit
+def _dual_layout_kernel(
+    w_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr,
+    R, C, stride_wb, stride_wr,
+    SCALE_PER_MATRIX: tl.constexpr, FMAX: tl.constexpr, FP8_E5M2: tl.constexpr, STORE_T: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    EXACT_CASTS: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, SUB_C: tl.constexpr, MIN_NORMAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    tiles_c = tl.cdiv(C, BLOCK_C)
+    offs_r = (pid // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = (pid % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (offs_r[:, None] < R) & (offs_c[None, :] < C)
+    w = tl.load(w_ptr + b * stride_wb + offs_r[:, None] * stride_wr + offs_c[None, :], mask=mask, other=0.0)
+    w = w.to(tl.float32)
+    if SCALE_PER_MATRIX:
+        s = tl.load(scale_ptr + b)
+    else:
+        s = tl.load(scale_ptr)
+    inv = tl.math.div_rn(1.0, s)
+    q = tl.minimum(tl.maximum(w * inv, -FMAX), FMAX)
+    if EXACT_CASTS:
+        q = _round_to_grid(q, MANT, EMIN, SUB_C, MIN_NORMAL)
+    q = _fp8_bits(q, FP8_E5M2, EXACT_CASTS)
+    base = b.to(tl.int64) * R * C
+    tl.store(q_ptr + base + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
+    if STORE_T:
+        # Same tile, transposed addressing: the compiler stages it through shared memory so the
+        # (C, R) writes stay coalesced.
+        tl.store(qt_ptr + base + offs_c[None, :] * R + offs_r[:, None], q, mask=mask)
+    # |w| >= 0, so a float atomic max is exact and order-independent.
+    tl.atomic_max(amax_ptr + b, tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+
+
+def _check_quant_args(w: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, name: str) -> None:
+    if w.dim() not in (2, 3):
+        raise ValueError(f"{name}: expected a (R, C) or (B, R, C) tensor, got shape {tuple(w.shape)}")
+    if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{name}: expected bf16/fp16/fp32 input, got {w.dtype} with shape {tuple(w.shape)}")
+    R, C = w.shape[-2:]
+    if R % 16 or C % 16:
+        raise ValueError(f"{name}: both matrix dims must be multiples of 16 (FP8 GEMM), got shape {tuple(w.shape)}")
+    if w.stride(-1) != 1 or (R > 1 and w.stride(-2) != C):
+        raise ValueError(f"{name}: each matrix must be row-major contiguous, got shape {tuple(w.shape)} strides {w.stride()}")
+    if fp8_dtype not in FP8_MAX:
+        raise ValueError(f"{name}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        raise ValueError(f"{name}: scale must be an fp32 tensor, got {type(scale).__name__} {getattr(scale, 'dtype', '')}")
+    batch = w.shape[0] if w.dim() == 3 else None
+    if not (scale.dim() == 0 or (batch is not None and tuple(scale.shape) == (batch,))):
+        raise ValueError(
+            f"{name}: scale must be 0-d or per-matrix ({batch},) for input shape {tuple(w.shape)}, got {tuple(scale.shape)}"
+        )
+
+
+def _alloc(w, fp8_dtype, out, out_t, amax, transposed=True):
+    R, C = w.shape[-2:]
+    lead = tuple(w.shape[:-2])
+    if out is None:
+        out = torch.empty(lead + (R, C), dtype=fp8_dtype, device=w.device)
+    if out_t is None:
+        # Without the transposed layout the kernel never touches out_t; a 0-element placeholder.
+        out_t = torch.empty(lead + (C, R) if transposed else (0,), dtype=fp8_dtype, device=w.device)
+    if amax is None:
+        amax = torch.zeros(lead, dtype=torch.float32, device=w.device)
+    checks = [(out, lead + (R, C), "out")] + ([(out_t, lead + (C, R), "out_t")] if transposed else [])
+    for t, shape, what in checks:
+        if tuple(t.shape) != shape or t.dtype != fp8_dtype or not t.is_contiguous():
+            raise ValueError(f"{what} must be a contiguous {fp8_dtype} tensor of shape {shape}, got {t.dtype} {tuple(t.shape)}")
+    if tuple(amax.shape) != lead or amax.dtype != torch.float32:
+        raise ValueError(f"amax must be an fp32 tensor of shape {lead}, got {amax.dtype} {tuple(amax.shape)}")
+    return out, out_t, amax
+
+
+def quantize_dual_layout(
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    fp8_dtype: torch.dtype = E4M3,
+    out: torch.Tensor | None = None,
+    out_t: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantise ``w`` to FP8 in both layouts with one read (Triton).
+
+    Args:
+        w: (R, C) or (B, R, C) bf16/fp16/fp32, each matrix row-major (a batch stride is allowed, so
+            ``bank[:, 0]`` works); R and C multiples of 16.
+        scale: fp32 dequantisation scale, 0-d or per matrix (B,).
+        fp8_dtype: ``torch.float8_e4m3fn`` (weights, activations) or ``torch.float8_e5m2`` (gradients).
+        out, out_t, amax: optional preallocated outputs.  ``amax`` is max-accumulated into (pass
+            zeros for a fresh measurement).
+
+    Returns:
+        ``(w_fp8 (.., R, C), w_fp8_t (.., C, R) contiguous, amax (..) fp32 = max |w| per matrix)``.
+    """
+    _check_quant_args(w, scale, fp8_dtype, "quantize_dual_layout")
+    return _quantize(w, scale, fp8_dtype, transposed=True, out=out, out_t=out_t, amax=amax)
+
+
+def quantize_dual_layout_reference(
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    fp8_dtype: torch.dtype = E4M3,
+    out: torch.Tensor | None = None,
+    out_t: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain-PyTorch reference of :func:`quantize_dual_layout` (same signature, same bits)."""
+    _check_quant_args(w, scale, fp8_dtype, "quantize_dual_layout_reference")
+    out, out_t, amax = _alloc(w, fp8_dtype, out, out_t, amax)
+    fmax = FP8_MAX[fp8_dtype]
+    inv = 1.0 / scale
+    if w.dim() == 3 and scale.dim() == 1:
+        inv = inv[:, None, None]
+    q = (w.float() * inv).clamp(-fmax, fmax).to(fp8_dtype)
+    out.copy_(q)
+    out_t.copy_(q.transpose(-1, -2))
+    amax.copy_(torch.maximum(amax, w.float().abs().amax(dim=(-2, -1))))
+    return out, out_t, amax
+
+
+# (BLOCK_R, BLOCK_C, num_warps) on GPU; benchmarks/bench_mlp.py --sweep times alternatives.
+QUANT_CONFIG = (32, 128, 4)
+
+
+def _quantize(w, scale, fp8_dtype, *, transposed, out=None, out_t=None, amax=None):
+    """Shared launcher: the dual-layout kernel, or row-major only when ``transposed`` is False."""
+    out, out_t, amax = _alloc(w, fp8_dtype, out, out_t, amax, transposed)
+    if not triton_usable(w):
+        q, qt, a = quantize_dual_layout_reference(w, scale, fp8_dtype=fp8_dtype)
+        out.copy_(q)
+        if transposed:
+            out_t.copy_(qt)
+        amax.copy_(torch.maximum(amax, a))
+        return out, out_t, amax
+    R, C = w.shape[-2:]
+    B = w.shape[0] if w.dim() == 3 else 1
+    if interpreting():
+        br, bc, warps = 32, 64, 1  # few programs: the interpreter pays per program
+    else:
+        br, bc, warps = QUANT_CONFIG
+    grid = (triton.cdiv(R, br) * triton.cdiv(C, bc), B)
+    _dual_layout_kernel[grid](
+        w, out.view(torch.uint8), out_t.view(torch.uint8), scale, amax,
+        R, C, w.stride(0) if w.dim() == 3 else 0, w.stride(-2),
+        SCALE_PER_MATRIX=scale.dim() == 1, FMAX=FP8_MAX[fp8_dtype], FP8_E5M2=fp8_dtype == E5M2, STORE_T=transposed,
+        BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+        EXACT_CASTS=interpreting(), **grid_constants(fp8_dtype),
+    )
+    return out, out_t, amax
+
+
+def quantize_current(
+    x: torch.Tensor, *, fp8_dtype: torch.dtype = E4M3, transposed: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Current (just-in-time) tensorwise scaling of one matrix: ``s = max|x| / FMAX``.
+
+    Two reads of ``x`` (the amax pass, then the quantise kernel).  Returns
+    ``(x_fp8 (R, C), x_fp8_t (C, R) or None, s 0-d fp32)``.
+    """
+    _check_quant_args(x, torch.zeros((), dtype=torch.float32), fp8_dtype, "quantize_current")
+    # One reduction pass, no |x| temporary (max is exact in any dtype).
+    amax = torch.linalg.vector_norm(x, ord=float("inf")).float()
+    scale = amax.clamp_min(AMAX_FLOOR) / FP8_MAX[fp8_dtype]
+    q, qt, _ = _quantize(x, scale, fp8_dtype, transposed=transposed)
+    return q, (qt if transposed else None), scale
+
+
+# ----------------------------------------------------------------------------------------------
+# The cache
+
+
+@dataclass(frozen=True)
+class FP8Weight:
+    """One cached weight (or a batch of them): both FP8 layouts and the dequantisation scale.
+
+    ``data`` (.., R, C) row-major, ``data_t`` (.., C, R) contiguous, ``scale`` fp32 0-d or (B,),
+    already including any multiplier; ``version`` is the cache version it was read at.
+    """
+
+    data: torch.Tensor
+    data_t: torch.Tensor
+    scale: torch.Tensor
+    version: int = 0
+
+    def t(self) -> "FP8Weight":
+        """The same weight seen transposed (swaps the two layouts; no copy)."""
+        return FP8Weight(self.data_t, self.data, self.scale, self.version)
+
+    def __getitem__(self, i: int) -> "FP8Weight":
+        """Matrix ``i`` of a batched entry (views; 0-d scale)."""
+        if self.data.dim() != 3:
+            raise ValueError(f"indexing needs a batched (B, R, C) entry, got shape {tuple(self.data.shape)}")
+        scale = self.scale[i] if self.scale.dim() == 1 else self.scale
+        return FP8Weight(self.data[i], self.data_t[i], scale, self.version)
+
+
+class FP8WeightCache:
+    """Both FP8 layouts of a set of named weights, rebuilt once per optimizer update.
+
+    Usage::
+
+        cache = FP8WeightCache()
+        cache.refresh({"mlp_w1": bank[:, 0], "mlp_w2": bank[:, 1]})   # after every optimizer step
+        w1 = cache.get("mlp_w1")[layer]                                # FP8Weight views
+
+    ``refresh`` launches one :func:`quantize_dual_layout` per name (a batched entry is one launch).
+    ``get`` raises :class:`StaleFP8CacheError` if :meth:`invalidate` was called since the last
+    refresh, or (``check_versions=True``) if a source tensor was modified in place since (torch's
+    version counter; an optimizer's in-place update bumps it).  Scaling policy: module docstring.
+    """
+
+    def __init__(
+        self,
+        *,
+        headroom: float = 1.12,
+        bootstrap_refreshes: int = 16,
+        fp8_dtype: torch.dtype = E4M3,
+        check_versions: bool = True,
+    ) -> None:
+        if headroom < 1.0:
+            raise ValueError(f"headroom must be >= 1, got {headroom}")
+        if fp8_dtype not in FP8_MAX:
+            raise ValueError(f"fp8_dtype must be an FP8 dtype, got {fp8_dtype}")
+        self.headroom = float(headroom)
+        self.bootstrap_refreshes = int(bootstrap_refreshes)
+        self.fp8_dtype = fp8_dtype
+        self.check_versions = check_versions
+        self.version = 0  # number of refreshes so far
+        self._valid = False
+        self._entries: dict[str, FP8Weight] = {}
+        self._amax: dict[str, torch.Tensor] = {}  # amax measured at the last refresh (next scale)
+        self._raw_scale: dict[str, torch.Tensor] = {}  # scale used at the last refresh, no multiplier
+        self._refreshes: dict[str, int] = {}
+        self._sources: dict[str, tuple[torch.Tensor, int]] = {}
+
+    @property
+    def valid(self) -> bool:
+        return self._valid
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def invalidate(self) -> None:
+        """Mark every entry stale (call right after an optimizer update if not refreshing at once)."""
+        self._valid = False
+
+    def refresh(
+        self,
+        weights: dict[str, torch.Tensor],
+        multipliers: dict[str, torch.Tensor | float] | None = None,
+    ) -> None:
+        """Re-quantise every named weight (one read each) and mark the cache valid.
+
+        Every name cached so far must be passed again: a partial refresh would leave stale entries.
+        """
+        multipliers = multipliers or {}
+        missing = set(self._entries) - set(weights)
+        if missing:
+            raise ValueError(f"refresh must pass every cached weight; missing {sorted(missing)}")
+        unknown = set(multipliers) - set(weights)
+        if unknown:
+            raise ValueError(f"multipliers given for unknown weights {sorted(unknown)}")
+        for name, w in weights.items():
+            prev = self._entries.get(name)
+            if prev is not None and prev.data.shape != w.shape:
+                raise ValueError(f"weight {name!r} changed shape from {tuple(prev.data.shape)} to {tuple(w.shape)}")
+            n = self._refreshes.get(name, 0)
+            fmax = FP8_MAX[self.fp8_dtype]
+            if n < self.bootstrap_refreshes or name not in self._amax:
+                amax_now = w.detach().abs().amax(dim=(-2, -1)).float()
+                scale = amax_now.clamp_min(AMAX_FLOOR) / fmax
+            else:
+                scale = self._amax[name].clamp_min(AMAX_FLOOR) * (self.headroom / fmax)
+            out = prev.data if prev is not None else None
+            out_t = prev.data_t if prev is not None else None
+            amax = torch.zeros(tuple(w.shape[:-2]), dtype=torch.float32, device=w.device)
+            q, qt, amax = quantize_dual_layout(w.detach(), scale, fp8_dtype=self.fp8_dtype, out=out, out_t=out_t, amax=amax)
+            m = multipliers.get(name)
+            deq = scale if m is None else scale * (m.detach().float() if isinstance(m, torch.Tensor) else float(m))
+            self._entries[name] = FP8Weight(q, qt, deq, self.version + 1)
+            self._amax[name] = amax
+            self._raw_scale[name] = scale
+            self._refreshes[name] = n + 1
+            self._sources[name] = (w, w._version)
+        self.version += 1
+        self._valid = True
+
+    def get(self, name: str) -> FP8Weight:
+        """The cached entry; raises :class:`StaleFP8CacheError` if it no longer matches its weight."""
+        if name not in self._entries:
+            raise KeyError(f"no cached FP8 weight {name!r}; cached: {sorted(self._entries)}")
+        if not self._valid:
+            raise StaleFP8CacheError(
+                f"FP8 weight cache read for {name!r} after invalidate() without refresh() (version {self.version})"
+            )
+        if self.check_versions:
+            src, ver = self._sources[name]
+            if src._version != ver:
+                raise StaleFP8CacheError(
+                    f"weight {name!r} was modified in place after the FP8 cache refresh (version {self.version}); "
+                    "call refresh() once per optimizer update"
+                )
+        return self._entries[name]
+
+    def saturated(self, name: str) -> torch.Tensor:
+        """Device bool (per matrix): did the last refresh clip values (amax > 448 * scale)?"""
+        return self._amax[name] > self._raw_scale[name] * FP8_MAX[self.fp8_dtype]

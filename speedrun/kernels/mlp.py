@@ -1,0 +1,536 @@
+"""The ReLU² MLP ``y = relu(x W1ᵀ)² W2ᵀ`` with fused Triton GEMMs and three precisions.
+
+Shapes (one flat token batch): x (T, D), w1 (H, D), w2 (D, H), y (T, D); record: D=768, H=3072.
+
+Modes of :func:`relu2_mlp`:
+
+``"bf16"``      up GEMM + ReLU² fused in Triton (bf16 ``post`` out), down GEMM ``post @ w2ᵀ`` in torch;
+                backward: dpre = (g @ w2) * 2·sqrt(post) fused in Triton, dW2/dW1/dx torch bf16.
+``"fp8_fwd"``   the record: forward GEMMs in FP8 e4m3 (x current-scaled, w1/w2 from the weight
+                cache, ``post`` emitted by the up kernel both as bf16 and as e4m3 with a delayed
+                scale for ``_scaled_mm``); backward as ``"bf16"`` from the saved bf16 ``post``.
+``"fp8_full"``  all six GEMMs in FP8: forward as above but ``post`` is stored *only* as e4m3, row-major
+                and transposed (both written by the up kernel's epilogue); backward quantises g to
+                e5m2 (both layouts, one read), the dpre kernel runs e5m2 x e4m3 and emits dpre as e5m2
+                in both layouts, then dW2 = gᵀ·post, dW1 = dpreᵀ·x, dx = dpre·W1 are ``_scaled_mm``
+                with e5m2 gradients and e4m3 activations/weights.
+
+What is saved for backward: never the pre-activation.  relu(pre) = sqrt(post) is rebuilt in the
+dpre kernel's epilogue (post >= 0 and relu(pre) >= 0, so the square root is exact up to rounding).
+bf16/fp8_fwd save x, post (bf16); fp8_full saves x as e4m3 (transposed layout only) and post as e4m3.
+
+Scaling per tensor (dequantisation scale s, real ~= fp8 * s):
+
+=========  ======  ============================================================================
+tensor     dtype   policy
+=========  ======  ============================================================================
+x          e4m3    current: s = max|x| / 448 (one amax pass; x is (T, 768), cheap)
+w1, w2     e4m3    from :class:`~speedrun.kernels.fp8_cache.FP8WeightCache` (delayed, per update),
+                   or current scaling when no cache is passed (slow path for tests/eval)
+post       e4m3    delayed: s = amax(previous call) · 1.8 / 448 (record's headroom); the up
+                   kernel measures this call's amax on the fly; values above 448·s saturate
+g          e5m2    current: s = max|g| / 57344 (g is (T, 768); the quantise kernel writes both layouts)
+dpre       e5m2    delayed: s = amax(previous call) · 2 / 57344, measured in the dpre epilogue
+=========  ======  ============================================================================
+
+Delayed scales live in :class:`MLPScaleState` (device tensors, no host sync); its first use
+calibrates from a current measurement (one extra GEMM, once).
+
+Triton kernels use plain pointer loads (no TMA descriptors), so they also run in the CPU
+interpreter (``TRITON_INTERPRET=1``) at small shapes; without CUDA or the interpreter every kernel
+falls back to its PyTorch reference.  ``_scaled_mm`` on CPU is emulated exactly in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from speedrun.kernels.fp8_cache import (
+    AMAX_FLOOR,
+    E4M3,
+    E5M2,
+    FP8_MAX,
+    FP8Weight,
+    _fp8_bits,
+    _round_to_grid,
+    grid_constants,
+    interpreting,
+    quantize_current,
+    triton_usable,
+)
+
+MODES = ("bf16", "fp8_fwd", "fp8_full")
+POST_HEADROOM = 1.8
+DPRE_HEADROOM = 2.0
+_FP8 = (E4M3, E5M2)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 GEMM (private until speedrun.kernels.fp8_ops lands; then use its scaled_mm)
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """``(a @ b) * scale_a * scale_b`` for FP8 ``a`` (M, K) row-major and ``b`` (K, N) column-major.
+
+    CUDA: ``torch._scaled_mm`` (tensorwise 0-d fp32 scales).  CPU: exact emulation (fp8 values are
+    exact in fp32; products and sums in fp32).
+    """
+    if a.is_cuda:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fused GEMM: acc = a @ bᵀ, then the ReLU² epilogue (forward) or its derivative (backward)
+
+
+@triton.jit
+def _relu2_gemm_kernel(
+    a_ptr, b_ptr, aux_ptr, out_ptr, q_ptr, qt_ptr, amax_ptr,
+    a_scale_ptr, b_scale_ptr, aux_scale_ptr, q_scale_ptr,
+    M, N, K: tl.constexpr,
+    stride_am, stride_ak, stride_bn, stride_bk,
+    FORWARD: tl.constexpr, AB_SCALED: tl.constexpr, AUX_SCALED: tl.constexpr,
+    STORE_OUT: tl.constexpr, STORE_Q: tl.constexpr, STORE_QT: tl.constexpr, Q_MAX: tl.constexpr,
+    Q_E5M2: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EXACT_CASTS: tl.constexpr,
+    O_MANT: tl.constexpr, O_EMIN: tl.constexpr, O_SUB_C: tl.constexpr, O_MIN_NORMAL: tl.constexpr,
+    Q_MANT: tl.constexpr, Q_EMIN: tl.constexpr, Q_SUB_C: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped tile order: GROUP_M row-blocks share each B column-block while it sits in L2.
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Wrapped row indices keep the main-loop loads unmasked; the stores below are masked.
+    rows_a = offs_m % M
+    rows_b = offs_n % N
+    a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * stride_bn + offs_k[None, :] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # K is a constexpr: the loop bound must be a plain int for the CPU interpreter (numpy >= 2
+    # rejects its 1-element runtime scalars as range() bounds), and K is one of very few widths.
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k[None, :] < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+        if EXACT_CASTS:
+            # The CPU interpreter's bf16 dot is wrong; its fp32 dot is exact.
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if AB_SCALED:
+        acc = acc * (tl.load(a_scale_ptr) * tl.load(b_scale_ptr))
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    row_major = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    if FORWARD:
+        r = tl.maximum(acc, 0.0)
+        v = r * r
+    else:
+        post = tl.load(aux_ptr + row_major, mask=mask, other=0.0).to(tl.float32)
+        if AUX_SCALED:
+            post = post * tl.load(aux_scale_ptr)
+        v = 2.0 * acc * tl.sqrt(post)
+    if STORE_OUT:
+        o = v
+        if EXACT_CASTS:
+            o = _round_to_grid(o, O_MANT, O_EMIN, O_SUB_C, O_MIN_NORMAL)
+        tl.store(out_ptr + row_major, o.to(out_ptr.dtype.element_ty), mask=mask)
+    if STORE_Q or STORE_QT:
+        inv = tl.math.div_rn(1.0, tl.load(q_scale_ptr))
+        qf = tl.minimum(tl.maximum(v * inv, -Q_MAX), Q_MAX)
+        if EXACT_CASTS:
+            qf = _round_to_grid(qf, Q_MANT, Q_EMIN, Q_SUB_C, Q_MIN_NORMAL)
+        # Raw bytes into uint8 views (ptxas 12.9 can corrupt an fp8 transposed store that
+        # shares a kernel with an fp8 row-major one: triton-lang/triton#11111).
+        q = _fp8_bits(qf, Q_E5M2, EXACT_CASTS)
+        if STORE_Q:
+            tl.store(q_ptr + row_major, q, mask=mask)
+        if STORE_QT:
+            tl.store(qt_ptr + offs_n[None, :].to(tl.int64) * M + offs_m[:, None], q, mask=mask)
+        tile_amax = tl.max(tl.max(tl.where(mask, tl.abs(v), 0.0), axis=1), axis=0)
+        tl.atomic_max(amax_ptr, tile_amax)
+
+
+class GemmOut(NamedTuple):
+    """Outputs of :func:`relu2_gemm`: ``out`` (M, N) or None, ``q`` (M, N) fp8 or None,
+    ``qt`` (N, M) fp8 or None, ``amax`` 0-d fp32 (max-accumulated) or None."""
+
+    out: torch.Tensor | None
+    q: torch.Tensor | None
+    qt: torch.Tensor | None
+    amax: torch.Tensor | None
+
+
+# Per-dtype launch configurations for sm90: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
+# The benchmark (benchmarks/bench_mlp.py --sweep) times alternatives; edit here from its numbers.
+GPU_CONFIGS = {
+    "bf16": (128, 256, 64, 8, 8, 3),
+    "fp8": (128, 256, 128, 8, 8, 3),
+}
+_INTERP_CONFIG = (32, 64, 32, 2, 1, 1)  # few, fat programs: the interpreter pays ~50 ms per program
+
+
+def _check_gemm_args(a, b, aux, aux_scale, a_scale, b_scale, q_dtype, q_scale, store_out, emit_transposed, amax):
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"relu2_gemm: expected a (M, K) and b (N, K), got {tuple(a.shape)} and {tuple(b.shape)}")
+    M, K = a.shape
+    N = b.shape[0]
+    if K % 16 or N % 16:
+        raise ValueError(f"relu2_gemm: K and N must be multiples of 16, got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    a8, b8 = a.dtype in _FP8, b.dtype in _FP8
+    if a8 != b8:
+        raise ValueError(f"relu2_gemm: a and b must both be FP8 or both 16-bit, got {a.dtype} and {b.dtype}")
+    if not a8 and (a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"relu2_gemm: 16-bit operands must be bf16 or fp16 of one dtype, got {a.dtype}, {b.dtype}")
+    if a8 and (a_scale is None or b_scale is None):
+        raise ValueError("relu2_gemm: FP8 operands need a_scale and b_scale")
+    if aux is not None:
+        if tuple(aux.shape) != (M, N) or not aux.is_contiguous():
+            raise ValueError(f"relu2_gemm: aux (post) must be contiguous ({M}, {N}), got {tuple(aux.shape)}")
+        if aux.dtype in _FP8 and aux_scale is None:
+            raise ValueError("relu2_gemm: an FP8 aux (post) needs aux_scale")
+    if (q_dtype is None) != (q_scale is None):
+        raise ValueError("relu2_gemm: q_dtype and q_scale go together")
+    if q_dtype is not None and q_dtype not in _FP8:
+        raise ValueError(f"relu2_gemm: q_dtype must be an FP8 dtype, got {q_dtype}")
+    if emit_transposed and q_dtype is None:
+        raise ValueError("relu2_gemm: emit_transposed needs q_dtype/q_scale")
+    if not store_out and q_dtype is None:
+        raise ValueError("relu2_gemm: nothing to store (store_out=False and no q_dtype)")
+    if amax is not None and (amax.dim() != 0 or amax.dtype != torch.float32):
+        raise ValueError(f"relu2_gemm: amax must be a 0-d fp32 tensor, got {amax.dtype} {tuple(amax.shape)}")
+
+
+def _gemm_outputs(a, b, q_dtype, store_out, out_dtype, emit_transposed, amax, out, out_q, out_qt):
+    M, N = a.shape[0], b.shape[0]
+    dev = a.device
+    if store_out and out is None:
+        out = torch.empty((M, N), dtype=out_dtype, device=dev)
+    if q_dtype is not None:
+        if out_q is None:
+            out_q = torch.empty((M, N), dtype=q_dtype, device=dev)
+        if emit_transposed and out_qt is None:
+            out_qt = torch.empty((N, M), dtype=q_dtype, device=dev)
+        if amax is None:
+            amax = torch.zeros((), dtype=torch.float32, device=dev)
+    return (out if store_out else None), out_q, (out_qt if emit_transposed else None), amax
+
+
+def relu2_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    aux: torch.Tensor | None = None,
+    aux_scale: torch.Tensor | None = None,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
+    store_out: bool = True,
+    out_dtype: torch.dtype = torch.bfloat16,
+    q_dtype: torch.dtype | None = None,
+    q_scale: torch.Tensor | None = None,
+    emit_transposed: bool = False,
+    amax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_q: torch.Tensor | None = None,
+    out_qt: torch.Tensor | None = None,
+) -> GemmOut:
+    """Fused ``acc = a @ bᵀ`` (fp32 accumulate) with a ReLU² epilogue (Triton).
+
+    Forward (``aux`` None): ``v = relu(acc · a_scale · b_scale)²``.  Backward (``aux`` = post (M, N),
+    bf16 or FP8 with ``aux_scale``): ``v = 2 · acc · a_scale · b_scale · sqrt(post)`` = dpre.
+
+    Args:
+        a: (M, K) bf16/fp16, or FP8 with ``a_scale`` (0-d fp32); any strides.
+        b: (N, K), same kind as ``a`` (FP8 with ``b_scale``); any strides (``w2.t()`` is fine).
+        store_out: write ``v`` as ``out_dtype`` (M, N).
+        q_dtype, q_scale: also write ``clamp(v / q_scale, ±FMAX)`` as FP8 (M, N), and max-accumulate
+            ``max|v|`` into ``amax``; ``emit_transposed`` adds the (N, M) layout from the same tile.
+        out, out_q, out_qt, amax: optional preallocated outputs.
+
+    K and N must be multiples of 16 (M is free).  Returns :class:`GemmOut`.
+    """
+    _check_gemm_args(a, b, aux, aux_scale, a_scale, b_scale, q_dtype, q_scale, store_out, emit_transposed, amax)
+    if not triton_usable(a):
+        return relu2_gemm_reference(
+            a, b, aux=aux, aux_scale=aux_scale, a_scale=a_scale, b_scale=b_scale, store_out=store_out,
+            out_dtype=out_dtype, q_dtype=q_dtype, q_scale=q_scale, emit_transposed=emit_transposed,
+            amax=amax, out=out, out_q=out_q, out_qt=out_qt,
+        )
+    out, out_q, out_qt, amax = _gemm_outputs(a, b, q_dtype, store_out, out_dtype, emit_transposed, amax, out, out_q, out_qt)
+    M, K = a.shape
+    N = b.shape[0]
+    fp8 = a.dtype in _FP8
+    bm, bn, bk, gm, warps, stages = _INTERP_CONFIG if interpreting() else GPU_CONFIGS["fp8" if fp8 else "bf16"]
+    dummy = a  # placeholder for pointers a constexpr branch never touches
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _relu2_gemm_kernel[grid](
+        a, b,
+        aux if aux is not None else dummy,
+        out if out is not None else dummy,
+        out_q.view(torch.uint8) if out_q is not None else dummy,
+        out_qt.view(torch.uint8) if out_qt is not None else dummy,
+        amax if amax is not None else dummy,
+        a_scale if a_scale is not None else dummy,
+        b_scale if b_scale is not None else dummy,
+        aux_scale if aux_scale is not None else dummy,
+        q_scale if q_scale is not None else dummy,
+        M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        FORWARD=aux is None, AB_SCALED=a_scale is not None, AUX_SCALED=aux is not None and aux.dtype in _FP8,
+        STORE_OUT=out is not None, STORE_Q=out_q is not None, STORE_QT=out_qt is not None,
+        Q_MAX=FP8_MAX[q_dtype] if q_dtype is not None else 1.0, Q_E5M2=q_dtype == E5M2,
+        EVEN_K=K % bk == 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages,
+        EXACT_CASTS=interpreting(),
+        **{"O_" + k: v for k, v in grid_constants(out_dtype).items()},
+        **{"Q_" + k: v for k, v in grid_constants(q_dtype or E4M3).items()},
+    )
+    return GemmOut(out, out_q, out_qt, amax)
+
+
+def relu2_gemm_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    aux: torch.Tensor | None = None,
+    aux_scale: torch.Tensor | None = None,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
+    store_out: bool = True,
+    out_dtype: torch.dtype = torch.bfloat16,
+    q_dtype: torch.dtype | None = None,
+    q_scale: torch.Tensor | None = None,
+    emit_transposed: bool = False,
+    amax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_q: torch.Tensor | None = None,
+    out_qt: torch.Tensor | None = None,
+) -> GemmOut:
+    """Plain-PyTorch reference of :func:`relu2_gemm` (same signature; fp32 math)."""
+    _check_gemm_args(a, b, aux, aux_scale, a_scale, b_scale, q_dtype, q_scale, store_out, emit_transposed, amax)
+    out, out_q, out_qt, amax = _gemm_outputs(a, b, q_dtype, store_out, out_dtype, emit_transposed, amax, out, out_q, out_qt)
+    acc = a.float() @ b.float().t()
+    if a_scale is not None:
+        acc = acc * (a_scale * b_scale)
+    if aux is None:
+        v = torch.relu(acc).square()
+    else:
+        post = aux.float() * aux_scale if aux_scale is not None else aux.float()
+        v = 2.0 * acc * post.sqrt()
+    if out is not None:
+        out.copy_(v)
+    if q_dtype is not None:
+        fmax = FP8_MAX[q_dtype]
+        q = (v * (1.0 / q_scale)).clamp(-fmax, fmax).to(q_dtype)
+        out_q.copy_(q)
+        if out_qt is not None:
+            out_qt.copy_(q.t())
+        amax.copy_(torch.maximum(amax, v.abs().amax()))
+    return GemmOut(out, out_q, out_qt, amax)
+
+
+# ----------------------------------------------------------------------------------------------
+# Delayed-scale state
+
+
+@dataclass
+class MLPScaleState:
+    """Delayed scales of one MLP layer: ``post`` (e4m3, forward) and ``dpre`` (e5m2, backward).
+
+    ``post_amax``/``dpre_amax`` are 0-d fp32 device tensors holding the amax measured by the last
+    call; the next call's scale is ``max(amax, 1e-12) · headroom / FMAX``.  ``*_ready`` is False
+    until a first (calibrating) call has measured a real amax.
+    """
+
+    post_amax: torch.Tensor
+    dpre_amax: torch.Tensor
+    post_headroom: float = POST_HEADROOM
+    dpre_headroom: float = DPRE_HEADROOM
+    post_ready: bool = False
+    dpre_ready: bool = False
+    calls: int = field(default=0)
+
+    @classmethod
+    def create(cls, device: torch.device | str | None = None, **kwargs) -> "MLPScaleState":
+        z = lambda: torch.zeros((), dtype=torch.float32, device=device)  # noqa: E731
+        return cls(post_amax=z(), dpre_amax=z(), **kwargs)
+
+    def post_scale(self) -> torch.Tensor:
+        return self.post_amax.clamp_min(AMAX_FLOOR) * (self.post_headroom / FP8_MAX[E4M3])
+
+    def dpre_scale(self) -> torch.Tensor:
+        return self.dpre_amax.clamp_min(AMAX_FLOOR) * (self.dpre_headroom / FP8_MAX[E5M2])
+
+
+# ----------------------------------------------------------------------------------------------
+# The MLP
+
+
+def relu2_mlp_reference(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """``relu(x @ w1ᵀ)² @ w2ᵀ`` in fp32 math, returned in ``x.dtype``; differentiable by autograd.
+
+    x (T, D), w1 (H, D), w2 (D, H) -> (T, D).
+    """
+    post = torch.relu(x.float() @ w1.float().t()).square()
+    return (post @ w2.float().t()).to(x.dtype)
+
+
+def _check_mlp_args(x, w1, w2, mode, cache):
+    if mode not in MODES:
+        raise ValueError(f"relu2_mlp: mode must be one of {MODES}, got {mode!r}")
+    if x.dim() != 2 or w1.dim() != 2 or w2.dim() != 2:
+        raise ValueError(
+            f"relu2_mlp: expected x (T, D), w1 (H, D), w2 (D, H); got {tuple(x.shape)}, {tuple(w1.shape)}, {tuple(w2.shape)}"
+        )
+    T, D = x.shape
+    H = w1.shape[0]
+    if w1.shape[1] != D or tuple(w2.shape) != (D, H):
+        raise ValueError(
+            f"relu2_mlp: shape mismatch x {tuple(x.shape)}, w1 {tuple(w1.shape)} (want (H, {D})), w2 {tuple(w2.shape)} (want ({D}, H))"
+        )
+    if D % 16 or H % 16:
+        raise ValueError(f"relu2_mlp: D and H must be multiples of 16, got x {tuple(x.shape)}, w1 {tuple(w1.shape)}")
+    if mode != "bf16" and T % 16:
+        raise ValueError(f"relu2_mlp: FP8 modes need T a multiple of 16 (scaled_mm), got x {tuple(x.shape)}")
+    for name, t in (("x", x), ("w1", w1), ("w2", w2)):
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"relu2_mlp: {name} must be bf16 or fp16, got {t.dtype} with shape {tuple(t.shape)}")
+    if cache is not None:
+        if mode == "bf16":
+            raise ValueError("relu2_mlp: an FP8 weight cache was passed with mode='bf16'")
+        c1, c2 = cache
+        if tuple(c1.data.shape) != tuple(w1.shape) or tuple(c2.data.shape) != tuple(w2.shape):
+            raise ValueError(
+                f"relu2_mlp: cache layouts {tuple(c1.data.shape)}, {tuple(c2.data.shape)} do not match w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}"
+            )
+
+
+def _weights_fp8(w1, w2, cache):
+    if cache is not None:
+        return cache
+    q1, q1t, s1 = quantize_current(w1.detach(), fp8_dtype=E4M3)
+    q2, q2t, s2 = quantize_current(w2.detach(), fp8_dtype=E4M3)
+    return FP8Weight(q1, q1t, s1), FP8Weight(q2, q2t, s2)
+
+
+class _Relu2MLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, w2, mode, c1, c2, state):
+        ctx.mode = mode
+        if mode == "bf16":
+            post = relu2_gemm(x, w1).out
+            y = post @ w2.t()
+            ctx.save_for_backward(x, w1, w2, post)
+            return y
+        full = mode == "fp8_full"
+        xq, xqt, x_scale = quantize_current(x, fp8_dtype=E4M3, transposed=full)
+        if not state.post_ready:
+            pre_post = relu2_gemm(xq, c1.data, a_scale=x_scale, b_scale=c1.scale).out
+            state.post_amax.copy_(pre_post.float().abs().amax())
+            state.post_ready = True
+        post_scale = state.post_scale()
+        state.post_amax.zero_()
+        r = relu2_gemm(
+            xq, c1.data, a_scale=x_scale, b_scale=c1.scale, store_out=not full, out_dtype=x.dtype,
+            q_dtype=E4M3, q_scale=post_scale, emit_transposed=full, amax=state.post_amax,
+        )
+        y = scaled_mm(r.q, c2.data.t(), post_scale, c2.scale, out_dtype=x.dtype, use_fast_accum=True)
+        if full:
+            ctx.save_for_backward(xqt, x_scale, r.q, r.qt, post_scale, c1.data_t, c1.scale, c2.data_t, c2.scale)
+            ctx.state = state
+        else:
+            ctx.save_for_backward(x, w1, w2, r.out)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        if ctx.mode != "fp8_full":
+            x, w1, w2, post = ctx.saved_tensors
+            dpre = relu2_gemm(g, w2.t(), aux=post, out_dtype=g.dtype).out
+            dx = dpre @ w1
+            dw1 = dpre.t() @ x
+            dw2 = g.t() @ post
+            return dx, dw1, dw2, None, None, None, None
+        xqt, x_scale, pq, pqt, p_scale, w1t, w1s, w2t, w2s = ctx.saved_tensors
+        state = ctx.state
+        gq, gqt, g_scale = quantize_current(g, fp8_dtype=E5M2, transposed=True)
+        if not state.dpre_ready:
+            d = relu2_gemm(gq, w2t, aux=pq, aux_scale=p_scale, a_scale=g_scale, b_scale=w2s).out
+            state.dpre_amax.copy_(d.float().abs().amax())
+            state.dpre_ready = True
+        d_scale = state.dpre_scale()
+        state.dpre_amax.zero_()
+        r = relu2_gemm(
+            gq, w2t, aux=pq, aux_scale=p_scale, a_scale=g_scale, b_scale=w2s, store_out=False,
+            q_dtype=E5M2, q_scale=d_scale, emit_transposed=True, amax=state.dpre_amax,
+        )
+        dtype = g.dtype
+        dx = scaled_mm(r.q, w1t.t(), d_scale, w1s, out_dtype=dtype)
+        dw1 = scaled_mm(r.qt, xqt.t(), d_scale, x_scale, out_dtype=dtype)
+        dw2 = scaled_mm(gqt, pqt.t(), g_scale, p_scale, out_dtype=dtype)
+        return dx, dw1, dw2, None, None, None, None
+
+
+def relu2_mlp(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    mode: str = "bf16",
+    cache: tuple[FP8Weight, FP8Weight] | None = None,
+    scales: MLPScaleState | None = None,
+) -> torch.Tensor:
+    """``relu(x @ w1ᵀ)² @ w2ᵀ`` with gradients for x, w1, w2 (see the module docstring for modes).
+
+    Args:
+        x: (T, D) bf16/fp16 (leading dims are flattened: (..., D) works); D, H multiples of 16, and
+            T a multiple of 16 in the FP8 modes.
+        w1: (H, D), w2: (D, H), same dtype as x (gradients come back in that dtype).
+        mode: ``"bf16"``, ``"fp8_fwd"`` (record) or ``"fp8_full"``.
+        cache: FP8 modes: ``(FP8Weight of w1 (H, D), FP8Weight of w2 (D, H))`` from
+            :class:`~speedrun.kernels.fp8_cache.FP8WeightCache` (use ``.t()`` on an entry stored as
+            (H, D)).  None quantises both weights now with current scaling (two extra reads each).
+        scales: the layer's :class:`MLPScaleState` (delayed post/dpre scales).  None uses a fresh
+            one, i.e. calibrates on this call (one extra GEMM forward and one backward).
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    _check_mlp_args(x2, w1, w2, mode, cache)
+    c1 = c2 = None
+    if mode != "bf16":
+        c1, c2 = _weights_fp8(w1, w2, cache)
+        if scales is None:
+            scales = MLPScaleState.create(x.device)
+    y = _Relu2MLP.apply(x2.contiguous(), w1, w2, mode, c1, c2, scales)
+    return y.reshape(*lead, w2.shape[0])

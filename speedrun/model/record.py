@@ -1,0 +1,687 @@
+"""The record network (recipe §1-§2 at f411b3d) in plain PyTorch, shrinkable to a CPU-sized toy.
+
+Shape comes from :class:`~speedrun.config.ModelConfig` (vocabulary, layers, width, heads, separate
+``qk_head_dim`` / ``v_head_dim``, RoPE, softcap, attention backend); the record's wiring (which
+layer does what, gate layouts, init constants) from :class:`RecordArchConfig`, whose defaults are
+the record at 11 layers.  :func:`scaled_record_arch` gives a layout for 4, 5 or 6 layers.
+
+Forward (one packed sequence of documents, ``T`` tokens, ``cu_seqlens`` document starts):
+
+1. ``x = embed[inputs]``; bigram term ``xb = bigram_embed[hash] * sign_table[(x[t-1] ^ x[t]) % 8192]``;
+   value embeddings ``ve_j = value_embeds[j][inputs]``.
+2. Smear: ``x[t] += smear_lambda * sigmoid(smear_gate . x[t, :12]) * x[t-1]``; ``x0 = norm(x)``.
+3. Pre MUDD-gate from x0 (XSA strengths, attention gates, x0/bigram gates of the early layers);
+   ``x = x0 + g_bigram[0] * xb`` is the stream entering layer 0 (``x_in``).
+4. Layers.  At ``post_gate_layer`` the post MUDD-gate is computed from x (gates of later layers,
+   the skip gate and the DC weights).  An attention-less layer adds
+   ``sigmoid(skip_lambda) * g_skip * cache[skip_from]``.  Other layers attend over ``norm(x)``
+   (``norm(cache[saved_layer])`` after the saved layer) and update
+   ``x = r_a x + p_a attn + g_x0 x0 (+ g_bigram xb)``; the last layer instead runs MUDD block 0
+   (V-side mix, residual re-mix, VE gate, dynamic lambdas).  Then ``x = r_m x + p_m mlp(norm(x))``.
+5. Post-loop MUDD block 1 mixes ``x_in, cache[saved], x at last-layer entry, ve_0, cache[skip_from]``
+   into x (its cache[saved] bias starts at -0.5: the "backout"); ``h = norm(x)``.
+6. Logits ``A sigmoid((h lm_head + B) / C)`` over the padded vocabulary; training loss = mean over
+   tokens of multi-token + prefix-token CE, eval = plain next-token CE in fp32.
+
+Attention (per layer): one GEMM with ``[Q | K | V]`` rows (``sa_lambda0`` times the weights), QK-norm,
+half-truncated RoPE with YaRN (:mod:`speedrun.model.yarn`), key offset (stationary q/k dims of each
+key taken from the previous token) on long-window layers, ``v += aux_v``, the backend call with
+window short/long, DC correction, gated XSA, output gate, O projection times ``sa_lambda1``.
+
+Paired-head layers follow the record's memory layout exactly: q/k/v (T, H, D) are reshaped to
+(2T, H/2, D), so doubled position ``2t`` holds heads ``0..H/2-1`` of token t and ``2t+1`` holds heads
+``H/2..H-1``; head h is rotated as position ``2t + h % 2``; ``cu_seqlens`` and ``max_seqlen`` are
+doubled and the window counts doubled positions.  (The recipe's prose says heads 2j and 2j+1 share
+keys; the record's reshape in fact lets head h and head h + H/2 attend to each other's keys.)
+
+What crosses document boundaries, by design of the record: smear (x[t-1]), the bigram hash and sign
+(x[t-1]), the key offset (the previous position's key content, so a document's first key carries the
+previous document's last key), and the MTP targets of the training loss.  Attention, the DC window
+and everything else stay inside a document.
+
+Fused kernels plug in through ``ce_impl``, ``eval_ce_impl``, ``mlp_impl`` and ``dc_impl`` (instance
+attributes with the signatures of :func:`record_parts.softcapped_mtp_ce`,
+:func:`record_parts.softcapped_ce_eval_plain`, :func:`record_parts.relu2_mlp_plain` and
+:func:`record_parts.dc_postonly_correction`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from speedrun.attention import get_backend
+from speedrun.config import ModelConfig
+from speedrun.data.loader import bigram_hash
+from speedrun.errors import ConfigError
+from speedrun.model.interface import ForwardArgs
+from speedrun.model.record_parts import (
+    GateLayout,
+    bigram_sign_index,
+    dc_gate_weights,
+    dc_postonly_correction,
+    mudd_mlp,
+    apply_softcap,
+    relu2_mlp_plain,
+    softcapped_ce_eval_plain,
+    softcapped_mtp_ce,
+    xsa,
+)
+from speedrun.model.yarn import Yarn
+
+# Coefficients of MUDD block 0 (last layer entry) and block 1 (post-loop).
+MUDD0_COEFS = 14
+MUDD1_COEFS = 5
+
+# Labels of parameter_groups(), in the record's param_table order.
+PARAM_LABELS = (
+    "qk_bank", "vo_bank", "mlp_bank", "scalars", "smear_gate", "ve_gate_bank", "lm_head", "embed",
+    "bigram_embed", "value_embeds", "post_lambdas", "resid_lambdas", "mudd_w1", "mudd_w2", "mudd_b2",
+    "mudd_gate_w1", "mudd_gate_w2", "mudd_gate_b2", "mudd_gate_scale",
+)
+# Parameters the record keeps in fp32 when everything else is cast to bf16.
+FP32_LABELS = ("scalars", "post_lambdas", "resid_lambdas", "mudd_gate_scale")
+
+
+@dataclass
+class RecordArchConfig:
+    """Which layer does what, and the record's constants.  Defaults: the record (11 layers, 6 heads).
+
+    Layer lists are layer indices.  ``skip_to`` must be attention-less; attention in layers after
+    ``saved_layer`` reads ``norm(cache[saved_layer])``; the post MUDD-gate is computed at the entry of
+    ``post_gate_layer`` and serves every layer from there on; the last layer always runs MUDD block
+    0.  Windows: layers in ``long_window_layers`` use ``ForwardArgs.window_long``, others
+    ``window_short``.  ``pad_world_size``: bank matrix counts (and ``scalars``) are padded to a
+    multiple of it, as the record pads to 8 ranks.
+    """
+
+    attnless_layers: tuple[int, ...] = (6,)
+    paired_head_layers: tuple[int, ...] = (0, 2, 5, 9)
+    xsa_layers: tuple[int, ...] = (1, 3, 4, 7)
+    dc_layers: tuple[int, ...] = (10,)
+    attn_gate_layers: tuple[int, ...] = (3, 10)
+    ve_layers: tuple[int, ...] = (1, 2, 8, 9, 10)
+    long_window_layers: tuple[int, ...] = (3, 10)
+    key_offset: bool = True  # shift stationary key dims on the long-window layers
+    skip_from: int = 3
+    skip_to: int = 6
+    saved_layer: int = 7
+    post_gate_layer: int = 4
+    # Bigram hash embedding
+    bigram_vocab_num: int = 15  # bigram rows = padded_vocab * num // den
+    bigram_vocab_den: int = 2
+    bigram_dim: int | None = None  # None: model_dim
+    bigram_sign_rows: int = 8192
+    sign_table_seed: int = 0
+    # Small input widths of gates
+    smear_width: int = 12
+    ve_gate_width: int = 6  # ve gate input = attn_in[:w] ++ ve[:w]
+    # MUDD / MUDD-gate
+    mudd_hidden: int = 64
+    mudd_scale: float = 0.1
+    mudd_gate_hidden: int = 64
+    mudd_gate_scale: float = 0.1
+    # Attention
+    attn_scale: float = 0.1  # starting softmax scale (ModelConfig.attn_scale overrides when set)
+    dc_window: int = 112
+    yarn_alpha: float = 1.0
+    yarn_beta: float = 32.0
+    yarn_positions: int = 4096  # RoPE table rows built on first use (grown on demand)
+    # Init constants
+    bank_init_std: float = 0.5  # times model_dim**-0.5; uniform with the same std
+    lm_head_std: float = 0.005
+    value_embed_std: float = 0.01
+    resid_lambda_init: float = 1.1**0.5
+    sa_lambda_init: tuple[float, float] = (0.5, 1.0)
+    skip_lambda_init: float = -1.5
+    attn_gate_init: float = 0.25
+    bigram_gate_init: float = 0.05
+    skip_gate_init: float = 0.5
+    dc_w1_init: float = 1.0
+    mudd_ve_gate_init: float = 2.0
+    backout_init: float = -0.5
+    pad_world_size: int = 1
+
+    # ------------------------------------------------------------------------------------------
+    def attention_layers(self, num_layers: int) -> list[int]:
+        return [i for i in range(num_layers) if i not in self.attnless_layers]
+
+    def validate(self, num_layers: int, num_heads: int, model_dim: int) -> None:
+        """Raise ConfigError naming the first inconsistency."""
+        L = num_layers
+        last = L - 1
+
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"record arch ({L} layers, {num_heads} heads): {msg}")
+
+        lists = {
+            "attnless_layers": self.attnless_layers, "paired_head_layers": self.paired_head_layers,
+            "xsa_layers": self.xsa_layers, "dc_layers": self.dc_layers,
+            "attn_gate_layers": self.attn_gate_layers, "ve_layers": self.ve_layers,
+            "long_window_layers": self.long_window_layers,
+        }
+        for name, ls in lists.items():
+            check(all(0 <= i < L for i in ls), f"{name}={list(ls)} has a layer outside [0, {L})")
+            check(len(set(ls)) == len(ls), f"{name}={list(ls)} repeats a layer")
+            if name != "attnless_layers":
+                check(not set(ls) & set(self.attnless_layers), f"{name} uses attention-less layer(s) {self.attnless_layers}")
+        check(L >= 4, "needs at least 4 layers")
+        check(num_heads % 2 == 0, "needs an even number of heads (Q/K banks and VE gates work in head pairs)")
+        check(last not in self.attnless_layers and last not in self.paired_head_layers,
+              "the last layer (MUDD block 0) needs unpaired attention")
+        check(self.skip_to in self.attnless_layers, f"skip_to={self.skip_to} must be attention-less")
+        check(0 <= self.skip_from < self.skip_to, f"skip_from={self.skip_from} must precede skip_to={self.skip_to}")
+        check(self.skip_from < self.saved_layer < last, f"saved_layer={self.saved_layer} must lie in ({self.skip_from}, {last})")
+        check(0 < self.post_gate_layer <= self.skip_to,
+              f"post_gate_layer={self.post_gate_layer} must lie in [1, skip_to={self.skip_to}]")
+        check(not set(self.xsa_layers) & set(self.paired_head_layers), "XSA is not defined on paired-head layers")
+        check(not set(self.dc_layers) & set(self.paired_head_layers), "DC is not defined on paired-head layers")
+        check(all(i >= self.post_gate_layer for i in self.dc_layers), "DC layers take their weights from the post gate")
+        check(len(self.ve_layers) >= 1, "the post-loop MUDD needs at least one value-embedding layer")
+        check(model_dim >= max(self.smear_width, self.ve_gate_width), f"model_dim={model_dim} is below the gate input widths")
+        bd = self.bigram_dim if self.bigram_dim is not None else model_dim
+        check(0 < bd <= model_dim, f"bigram_dim={bd} must lie in [1, model_dim={model_dim}]")
+        check(self.pad_world_size >= 1, "pad_world_size must be >= 1")
+        check(self.dc_window >= 1, "dc_window must be >= 1")
+
+
+def scaled_record_arch(num_layers: int, **overrides) -> RecordArchConfig:
+    """The record layout for ``num_layers`` layers: 11 gives the record; 4, 5, 6 give toy layouts that
+    keep every mechanism (paired heads, XSA, long windows + key offset, attention-less skip layer,
+    saved activation, VE on a paired layer, post gate, DC, MUDD) at least once.
+
+    ``overrides`` replace fields of the result (e.g. ``dc_window=16``).
+    """
+    tables = {
+        11: RecordArchConfig(),
+        6: RecordArchConfig(
+            attnless_layers=(3,), paired_head_layers=(0, 4), xsa_layers=(1, 2), dc_layers=(5,),
+            attn_gate_layers=(1, 5), ve_layers=(1, 4, 5), long_window_layers=(1, 5),
+            skip_from=1, skip_to=3, saved_layer=4, post_gate_layer=2,
+        ),
+        5: RecordArchConfig(
+            attnless_layers=(2,), paired_head_layers=(3,), xsa_layers=(0, 1), dc_layers=(4,),
+            attn_gate_layers=(0, 4), ve_layers=(1, 3, 4), long_window_layers=(0, 4),
+            skip_from=0, skip_to=2, saved_layer=3, post_gate_layer=1,
+        ),
+        4: RecordArchConfig(
+            attnless_layers=(2,), paired_head_layers=(1,), xsa_layers=(0,), dc_layers=(3,),
+            attn_gate_layers=(0, 3), ve_layers=(1, 3), long_window_layers=(0, 3),
+            skip_from=0, skip_to=2, saved_layer=2, post_gate_layer=1,
+        ),
+    }
+    if num_layers not in tables:
+        raise ConfigError(
+            f"no record layout for {num_layers} layers (have {sorted(tables)}); write a RecordArchConfig explicitly"
+        )
+    return replace(tables[num_layers], **overrides)
+
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],))
+
+
+def _next_multiple(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class RecordGPT(nn.Module):
+    """The record GPT.  See the module docstring.
+
+    Args:
+        model_cfg: shape (validated); ``attn_scale`` (if set) replaces the record's 0.1 start.
+        arch: wiring and constants; None uses ``model_cfg.record`` if that field exists and is set,
+            else ``scaled_record_arch(model_cfg.num_layers)``.
+
+    Parameters (named by their optimizer label, see :meth:`parameter_groups`), with
+    ``Lq = attention layers``, ``G = Lq * H`` head-pair groups (``H/2`` Q then ``H/2`` K per layer):
+    ``qk_bank (G_pad, 2 qk_head_dim, D)``, ``vo_bank (2 Lq _pad, D, D)`` (V then O per layer),
+    ``mlp_bank (L_pad, 2, 4D, D)`` (c_fc then c_proj, both (hidden, D)), ``lm_head (D, V)``,
+    ``embed (V, D)``, ``value_embeds (n_ve V, D)``, ``bigram_embed (V 15/2, bigram_dim)``,
+    ``scalars (2L + 2 [+pad])`` (sa_lambdas per layer, smear_lambda, skip_lambda),
+    ``resid_lambdas / post_lambdas (L, 2)``, ``ve_gate_bank (n_ve, H, 2 ve_gate_width)``,
+    ``smear_gate (1, smear_width)``, ``mudd_w1 (2, 64, D)``, ``mudd_w2 (2, 14, 64)``,
+    ``mudd_b2 (2, 14)``, ``mudd_gate_w1 (2, 64, D)``, ``mudd_gate_w2 (2, n_gate, 64)``,
+    ``mudd_gate_b2 (2, n_gate)``, ``mudd_gate_scale ()``.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, arch: RecordArchConfig | None = None):
+        super().__init__()
+        model_cfg.validate()
+        if arch is None:  # ModelConfig may carry it as ``record`` (planned field)
+            arch = getattr(model_cfg, "record", None) or scaled_record_arch(model_cfg.num_layers)
+        L, H, D = model_cfg.num_layers, model_cfg.num_heads, model_cfg.model_dim
+        arch.validate(L, H, D)
+        self.cfg, self.arch = model_cfg, arch
+        self.num_layers, self.num_heads, self.model_dim = L, H, D
+        self.qk_dim, self.v_dim = model_cfg.qk_head_dim, model_cfg.v_head_dim
+        self.vocab = model_cfg.padded_vocab_size
+        self.hidden_dim = model_cfg.mlp_hidden_dim
+        self.bigram_dim = arch.bigram_dim if arch.bigram_dim is not None else D
+        self.bigram_vocab = self.vocab * arch.bigram_vocab_num // arch.bigram_vocab_den
+        self.attn_layers = arch.attention_layers(L)
+        self.attn_index = {layer: j for j, layer in enumerate(self.attn_layers)}
+        self.num_ve = len(arch.ve_layers)
+        self.ve_index = {layer: j for j, layer in enumerate(sorted(arch.ve_layers))}
+        self.last = L - 1
+
+        # MUDD-gate layouts: layers before post_gate_layer read the pre gate, the rest the post gate.
+        inject = [i for i in self.attn_layers if i != self.last]
+        pre = lambda ls: [i for i in ls if i < arch.post_gate_layer]  # noqa: E731
+        post = lambda ls: [i for i in ls if i >= arch.post_gate_layer]  # noqa: E731
+        self.pre_layout = GateLayout.build(H, pre(arch.xsa_layers), pre(arch.attn_gate_layers), pre(inject))
+        self.post_layout = GateLayout.build(
+            H, post(arch.xsa_layers), post(arch.attn_gate_layers), post(inject), skip=True, dc_layers=arch.dc_layers
+        )
+        self.gate_coefs = max(self.pre_layout.size, self.post_layout.size)
+
+        # Parameters (values are set in reset_parameters).
+        V, n_ve, hm, hg = self.vocab, self.num_ve, arch.mudd_hidden, arch.mudd_gate_hidden
+        self.lm_head = nn.Parameter(torch.empty(D, V))
+        self.embed = nn.Parameter(torch.empty(V, D))
+        self.value_embeds = nn.Parameter(torch.empty(n_ve * V, D))
+        self.bigram_embed = nn.Parameter(torch.empty(self.bigram_vocab, self.bigram_dim))
+        self.ve_gate_bank = nn.Parameter(torch.empty(n_ve, H, 2 * arch.ve_gate_width))
+        self.smear_gate = nn.Parameter(torch.empty(1, arch.smear_width))
+        self.post_lambdas = nn.Parameter(torch.empty(L, 2))
+        self.resid_lambdas = nn.Parameter(torch.empty(L, 2))
+        self.mudd_w1 = nn.Parameter(torch.empty(2, hm, D))
+        self.mudd_w2 = nn.Parameter(torch.empty(2, MUDD0_COEFS, hm))
+        self.mudd_b2 = nn.Parameter(torch.empty(2, MUDD0_COEFS))
+        self.mudd_gate_w1 = nn.Parameter(torch.empty(2, hg, D))
+        self.mudd_gate_w2 = nn.Parameter(torch.empty(2, self.gate_coefs, hg))
+        self.mudd_gate_b2 = nn.Parameter(torch.empty(2, self.gate_coefs))
+        self.mudd_gate_scale = nn.Parameter(torch.empty(()))
+        self._make_padded(arch.pad_world_size)
+        self.register_buffer("bigram_sign_table", torch.empty(arch.bigram_sign_rows, self.bigram_dim))
+        self.register_buffer("prefix_table", torch.full((V,), -1, dtype=torch.int64), persistent=False)
+        self.reset_parameters()
+
+        self.yarn = Yarn(
+            self.qk_dim, model_cfg.rope_fraction, model_cfg.rope_base,
+            attn_scale=model_cfg.attn_scale if model_cfg.attn_scale is not None else arch.attn_scale,
+            max_positions=arch.yarn_positions,
+        )
+        self.ce_impl = softcapped_mtp_ce
+        self.eval_ce_impl = softcapped_ce_eval_plain
+        self.mlp_impl = relu2_mlp_plain
+        self.dc_impl = dc_postonly_correction
+        self._backends: dict[torch.device, object] = {}
+
+    # ------------------------------------------------------------------------------------------
+    # Parameters
+
+    def _make_padded(self, world_size: int) -> None:
+        """(Re)create the padded banks and scalars; real rows keep their values, padding is 0 (1 for scalars)."""
+        L, H, D = self.num_layers, self.num_heads, self.model_dim
+        Lq = len(self.attn_layers)
+        shapes = {
+            "qk_bank": (_next_multiple(Lq * H, world_size), 2 * self.qk_dim, D),
+            "vo_bank": (_next_multiple(2 * Lq, world_size), D, D),
+            "mlp_bank": (_next_multiple(2 * L, math.lcm(2, world_size)) // 2, 2, self.hidden_dim, D),
+            "scalars": (2 * L + 2 + (-2 * L - 2) % world_size,),
+        }
+        reals = {"qk_bank": Lq * H, "vo_bank": 2 * Lq, "mlp_bank": L, "scalars": 2 * L + 2}
+        for name, shape in shapes.items():
+            old = getattr(self, name, None)
+            new = torch.zeros(shape, device=None if old is None else old.device, dtype=None if old is None else old.dtype)
+            if name == "scalars":
+                new.fill_(1.0)
+            if old is not None:
+                with torch.no_grad():
+                    n = reals[name]
+                    new[:n].copy_(old.detach()[:n])
+            setattr(self, name, nn.Parameter(new))
+        self.bank_world_size = world_size
+        # Matrix view of each bank for the optimizer (the record's ``.reshape`` attribute).
+        self.qk_bank.bank_shape = self.qk_bank.shape
+        self.vo_bank.bank_shape = self.vo_bank.shape
+        self.mlp_bank.bank_shape = (2 * self.mlp_bank.shape[0], self.hidden_dim, D)
+
+    def bank_padding(self, world_size: int) -> dict[str, tuple[int, int]]:
+        """Pad ``qk_bank``, ``vo_bank``, ``mlp_bank`` (matrix counts) and ``scalars`` to multiples of
+        ``world_size`` in place (call before building the optimizer).  Returns, per label,
+        ``(real, padded)`` counts of matrices (entries for ``scalars``)."""
+        if world_size < 1:
+            raise ValueError(f"bank_padding: world_size must be >= 1, got {world_size}")
+        self._make_padded(world_size)
+        return self.bank_layout()
+
+    def bank_layout(self) -> dict[str, tuple[int, int]]:
+        """``label -> (real, padded)`` matrix counts of the banks (entries for ``scalars``)."""
+        Lq, L, H = len(self.attn_layers), self.num_layers, self.num_heads
+        return {
+            "qk_bank": (Lq * H, self.qk_bank.shape[0]),
+            "vo_bank": (2 * Lq, self.vo_bank.shape[0]),
+            "mlp_bank": (2 * L, 2 * self.mlp_bank.shape[0]),
+            "scalars": (2 * L + 2, self.scalars.shape[0]),
+        }
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The record's initialisation (recipe §1.4, init constants in :class:`RecordArchConfig`).
+
+        A no-op on the meta device (build there, then ``to_empty(device=...)`` and call this)."""
+        if self.lm_head.is_meta:
+            return
+        a, D, L = self.arch, self.model_dim, self.num_layers
+        Lq, H = len(self.attn_layers), self.num_heads
+        bound = math.sqrt(3) * a.bank_init_std * D**-0.5
+        for bank, real in ((self.qk_bank, Lq * H), (self.vo_bank, 2 * Lq)):
+            bank.zero_()
+            bank[:real].uniform_(-bound, bound)
+        self.mlp_bank.zero_()
+        self.mlp_bank[:L, 0].uniform_(-bound, bound)  # c_proj stays 0: every MLP starts as a no-op
+        self.lm_head.normal_(0.0, a.lm_head_std)
+        self.embed.copy_(self.lm_head.T)  # tied at init; the optimizer keeps them tied until the split
+        self.value_embeds.normal_(0.0, a.value_embed_std)
+        self.bigram_embed.zero_()
+        self.ve_gate_bank.zero_()
+        self.smear_gate.zero_()
+        self.post_lambdas.fill_(1.0)
+        self.resid_lambdas.fill_(a.resid_lambda_init)
+        self.scalars.fill_(1.0)
+        self.scalars[0 : 2 * L : 2] = a.sa_lambda_init[0]
+        self.scalars[1 : 2 * L : 2] = a.sa_lambda_init[1]
+        self.scalars[2 * L] = 0.0  # smear_lambda
+        self.scalars[2 * L + 1] = a.skip_lambda_init
+        # MUDD: gelu MLPs with zero output weights, so they start at their biases.
+        for w1 in (self.mudd_w1, self.mudd_gate_w1):
+            for j in range(2):
+                nn.init.kaiming_uniform_(w1[j], a=math.sqrt(5))
+        self.mudd_w2.zero_()
+        self.mudd_gate_w2.zero_()
+        s = a.mudd_scale
+        b = torch.zeros(2, MUDD0_COEFS)
+        b[0, 6] = b[0, 7] = a.mudd_ve_gate_init / s  # VE gate, both head halves
+        b[0, 8] = a.resid_lambda_init / s  # resid_attn
+        b[0, 9] = 1.0 / s  # post_attn
+        b[0, 11] = a.bigram_gate_init / s  # bigram injection
+        b[0, 12] = a.resid_lambda_init / s  # resid_mlp
+        b[0, 13] = 1.0 / s  # post_mlp
+        b[1, 1] = a.backout_init / s  # post-loop cache[saved] coefficient: the backout
+        self.mudd_b2.copy_(b)
+        gs = a.mudd_gate_scale
+        init = dict(attn_gate=a.attn_gate_init, bigram=a.bigram_gate_init, skip=a.skip_gate_init, dc_w1=a.dc_w1_init)
+        gb = torch.zeros(2, self.gate_coefs)
+        gb[0, : self.pre_layout.size] = self.pre_layout.bias_init(**init) / gs
+        gb[1, : self.post_layout.size] = self.post_layout.bias_init(**init) / gs
+        self.mudd_gate_b2.copy_(gb)
+        self.mudd_gate_scale.fill_(gs)
+        g = torch.Generator().manual_seed(a.sign_table_seed)
+        signs = torch.randn(self.bigram_sign_table.shape, generator=g).sign()
+        signs[signs == 0] = 1.0
+        self.bigram_sign_table.copy_(signs)
+
+    def parameter_groups(self) -> dict[str, nn.Parameter]:
+        """``label -> parameter`` for the optimizer's per-label table (record param_table labels)."""
+        return {label: getattr(self, label) for label in PARAM_LABELS}
+
+    def unused_parameter_slices(self) -> dict[str, list[tuple]]:
+        """Index tuples of parameter entries that never receive gradient by design (bank padding,
+        the VE gate of the MUDD layer, unused MUDD/MUDD-gate rows, sa_lambdas of attention-less layers)."""
+        out: dict[str, list[tuple]] = {}
+        Lq, H, L = len(self.attn_layers), self.num_heads, self.num_layers
+        out["qk_bank"] = [(slice(Lq * H, None),)]
+        out["vo_bank"] = [(slice(2 * Lq, None),)]
+        out["mlp_bank"] = [(slice(L, None),)]
+        sc = [(slice(2 * L + 2, None),)] + [(slice(2 * i, 2 * i + 2),) for i in self.arch.attnless_layers]
+        out["scalars"] = sc
+        if self.last in self.ve_index:
+            out["ve_gate_bank"] = [(self.ve_index[self.last],)]
+        out["mudd_w2"] = [(1, slice(MUDD1_COEFS, None))]
+        out["mudd_b2"] = [(1, slice(MUDD1_COEFS, None))]
+        out["mudd_gate_w2"] = [(0, slice(self.pre_layout.size, None)), (1, slice(self.post_layout.size, None))]
+        out["mudd_gate_b2"] = list(out["mudd_gate_w2"])
+        lam = [(i, 0) for i in self.arch.attnless_layers] + [(self.last, 0), (self.last, 1)]
+        out["resid_lambdas"] = list(lam)
+        out["post_lambdas"] = list(lam)
+        return out
+
+    @torch.no_grad()
+    def cast_to_record_dtypes(self, dtype: torch.dtype = torch.bfloat16) -> "RecordGPT":
+        """Cast every parameter and the sign table to ``dtype`` except the fp32 scalars
+        (``scalars``, ``post_lambdas``, ``resid_lambdas``, ``mudd_gate_scale``), as the record does."""
+        for label, p in self.parameter_groups().items():
+            if label not in FP32_LABELS:
+                p.data = p.data.to(dtype)
+        self.bigram_sign_table = self.bigram_sign_table.to(dtype)
+        return self
+
+    @torch.no_grad()
+    def sync_embed_from_lm_head(self) -> None:
+        """``embed <- lm_headᵀ`` (what the optimizer does after each step while the two are tied)."""
+        self.embed.copy_(self.lm_head.T)
+
+    def set_prefix_table(self, table: torch.Tensor) -> None:
+        """Install the prefix-token table: (padded_vocab,) integer ids, -1 = no prefix."""
+        if table.dim() != 1 or table.shape[0] != self.vocab:
+            raise ValueError(f"set_prefix_table: want shape ({self.vocab},), got {tuple(table.shape)}")
+        if table.dtype.is_floating_point or table.dtype == torch.bool:
+            raise ValueError(f"set_prefix_table: want an integer tensor, got {table.dtype}")
+        if bool(((table < -1) | (table >= self.vocab)).any()):
+            raise ValueError(f"set_prefix_table: entries must lie in [-1, {self.vocab})")
+        self.prefix_table.copy_(table.to(self.prefix_table.device, torch.int64))
+
+    # ------------------------------------------------------------------------------------------
+    # YaRN (driven by the training loop, as in the record)
+
+    def apply_yarn(self, old_window: int, new_window: int) -> None:
+        """Extend RoPE from ``old_window`` to ``new_window`` tokens (call when the long window changes
+        between stages; the record skips this for the final-evaluation window)."""
+        self.yarn.apply(old_window, new_window, self.arch.yarn_alpha, self.arch.yarn_beta)
+
+    def reset_yarn(self) -> None:
+        self.yarn.reset()
+
+    @property
+    def attn_scale(self) -> float:
+        return self.yarn.attn_scale
+
+    @property
+    def bigram_mod(self) -> int:
+        """The modulus loaders must hash bigrams with (``bigram_hash(inputs, bigram_mod)``)."""
+        return self.bigram_vocab - 1
+
+    def warm_tables(self, max_tokens: int, device: torch.device | str) -> None:
+        """Build the RoPE tables for batches of up to ``max_tokens`` tokens on ``device`` now (do this
+        before ``torch.compile`` and after every :meth:`apply_yarn` / :meth:`reset_yarn`)."""
+        self.yarn.tables(2 * max_tokens, device)
+
+    # ------------------------------------------------------------------------------------------
+    # Forward
+
+    def set_attention_backend(self, name: str) -> None:
+        """Switch the attention backend (a :mod:`speedrun.attention` name, or ``auto``)."""
+        self.cfg.attention_backend = name
+        self._backends = {}
+
+    def _attend(self, q, k, v, cu_seqlens, max_seqlen, window):
+        fn = self._backends.get(q.device)
+        if fn is None:
+            fn = get_backend(self.cfg.attention_backend, q.device)
+            self._backends[q.device] = fn
+        return fn(q, k, v, cu_seqlens, max_seqlen, window=window, scale=self.yarn.attn_scale)
+
+    def _attention(self, i, h, aux_v, gates, cu_seqlens, max_seqlen, args: ForwardArgs):
+        """Attention sublayer of layer ``i``: h (T, D) normalised input -> (T, D)."""
+        a, H, dqk, dv = self.arch, self.num_heads, self.qk_dim, self.v_dim
+        T = h.shape[0]
+        j = self.attn_index[i]
+        sa = self.scalars[2 * i : 2 * i + 2]
+        w_qk = self.qk_bank[j * H : (j + 1) * H].reshape(2 * H * dqk, -1)
+        w = torch.cat((w_qk, self.vo_bank[2 * j])).type_as(h) * sa[0]
+        qkv = F.linear(h, w)
+        q = _norm(qkv[:, : H * dqk].view(T, H, dqk))
+        k = _norm(qkv[:, H * dqk : 2 * H * dqk].view(T, H, dqk))
+        v = qkv[:, 2 * H * dqk :].view(T, H, dv)
+        paired = i in a.paired_head_layers
+        long = i in a.long_window_layers
+        window = args.window_long if long else args.window_short
+        if paired:
+            q, k = self.yarn.rotate_paired(q), self.yarn.rotate_paired(k)
+        else:
+            q, k = self.yarn.rotate(q), self.yarn.rotate(k)
+            if long and a.key_offset and T > 1:
+                r = self.yarn.rope_dims
+                shifted = torch.cat((k[:1, :, r:], k[:-1, :, r:]))
+                k = torch.cat((k[:, :, :r], shifted), dim=-1)
+        if aux_v is not None:
+            v = v + aux_v.view(T, H, dv)
+        if paired:
+            y = self._attend(
+                q.reshape(2 * T, H // 2, dqk), k.reshape(2 * T, H // 2, dqk), v.reshape(2 * T, H // 2, dv),
+                2 * cu_seqlens, 2 * max_seqlen, window,
+            ).reshape(T, H, dv)
+        else:
+            y = self._attend(q, k, v, cu_seqlens, max_seqlen, window)
+            if i in gates["dc"]:
+                w1, w2 = dc_gate_weights(*gates["dc"][i])
+                y = self.dc_impl(y, q, k, v, w1, w2, cu_seqlens, scale=self.yarn.attn_scale, window=a.dc_window)
+            if i in gates["xsa"]:
+                y = xsa(y, v, gates["xsa"][i])
+        if i in gates["attn"]:
+            y = y * gates["attn"][i].type_as(y)[..., None]
+        return F.linear(y.reshape(T, H * dv), self.vo_bank[2 * j + 1].type_as(y) * sa[1])
+
+    def _unpack_gate(self, g: torch.Tensor, layout: GateLayout, gates: dict) -> None:
+        for i, s in layout.xsa.items():
+            gates["xsa"][i] = g[:, s]
+        for i, s in layout.attn_gate.items():
+            gates["attn"][i] = g[:, s]
+        for i, c in layout.x0.items():
+            gates["x0"][i] = g[:, c : c + 1]
+        for i, c in layout.bigram.items():
+            gates["bigram"][i] = g[:, c : c + 1]
+        if layout.skip is not None:
+            gates["skip"] = g[:, layout.skip : layout.skip + 1]
+        for i in layout.dc_w1:
+            gates["dc"][i] = (g[:, layout.dc_w1[i]], g[:, layout.dc_w2[i]])
+
+    def _add_bigram(self, x: torch.Tensor, xb: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        if self.bigram_dim == self.model_dim:
+            return x + xb * g
+        bd = self.bigram_dim
+        return torch.cat((x[:, :bd] + xb * g, x[:, bd:]), dim=-1)
+
+    def hidden(self, batch, args: ForwardArgs = ForwardArgs()) -> torch.Tensor:
+        """Final normalised hidden states (T, D) of ``batch`` (fields inputs, cu_seqlens, max_seqlen,
+        optional bigram)."""
+        a, L, H, D, dv = self.arch, self.num_layers, self.num_heads, self.model_dim, self.v_dim
+        inputs = batch.inputs.long()
+        if inputs.dim() != 1:
+            raise ValueError(f"RecordGPT: batch.inputs must be (T,), got {tuple(inputs.shape)}")
+        T = inputs.shape[0]
+        cu_seqlens, max_seqlen = batch.cu_seqlens, int(batch.max_seqlen)
+        bigram_idx = getattr(batch, "bigram", None)
+        if bigram_idx is None:
+            bigram_idx = bigram_hash(inputs, self.bigram_mod)
+
+        x = F.embedding(inputs, self.embed)
+        signs = self.bigram_sign_table[bigram_sign_index(inputs, a.bigram_sign_rows)]
+        xb = F.embedding(bigram_idx.long(), self.bigram_embed) * signs.type_as(self.bigram_embed)
+        xb = xb.type_as(x)
+        ve = self.value_embeds.view(self.num_ve, self.vocab, D)[:, inputs].type_as(x)  # (n_ve, T, D)
+
+        smear_lambda = self.scalars[2 * L]
+        skip_lambda = self.scalars[2 * L + 1]
+        if T > 1:
+            g = smear_lambda * torch.sigmoid(F.linear(x[1:, : a.smear_width], self.smear_gate.type_as(x)))
+            x = torch.cat((x[:1], x[1:] + g.type_as(x) * x[:-1]))
+        x0 = _norm(x)
+
+        gates: dict = {"xsa": {}, "attn": {}, "x0": {}, "bigram": {}, "dc": {}, "skip": None}
+        scale = self.mudd_gate_scale
+        pre = mudd_mlp(x0, self.mudd_gate_w1[0], self.mudd_gate_w2[0, : self.pre_layout.size],
+                       self.mudd_gate_b2[0, : self.pre_layout.size], scale)
+        self._unpack_gate(pre, self.pre_layout, gates)
+        x = self._add_bigram(x0, xb, gates["bigram"][0]) if 0 in gates["bigram"] else x0
+        x_in = x
+        cache_skip = cache_saved = x_last = None
+        ra, rm = self.resid_lambdas[:, 0].type_as(x), self.resid_lambdas[:, 1].type_as(x)
+        pa, pm = self.post_lambdas[:, 0].type_as(x), self.post_lambdas[:, 1].type_as(x)
+
+        for i in range(L):
+            mu = None
+            if i == a.post_gate_layer:
+                post = mudd_mlp(x, self.mudd_gate_w1[1], self.mudd_gate_w2[1, : self.post_layout.size],
+                                self.mudd_gate_b2[1, : self.post_layout.size], scale)
+                self._unpack_gate(post, self.post_layout, gates)
+            if i in a.attnless_layers:
+                if i == a.skip_to:
+                    x = x + (torch.sigmoid(skip_lambda) * gates["skip"]).type_as(x) * cache_skip
+            else:
+                src = cache_saved if (cache_saved is not None and i > a.saved_layer) else x
+                h = _norm(src)
+                aux_v = None
+                if i == self.last:
+                    x_last = x
+                    mu = mudd_mlp(x, self.mudd_w1[0], self.mudd_w2[0], self.mudd_b2[0], a.mudd_scale).unbind(-1)
+                    mu = [m[:, None] for m in mu]
+                    aux_v = mu[0] * x_in + mu[1] * cache_saved + mu[2] * x
+                    x = (1 + mu[5]) * x + mu[3] * x_in + mu[4] * cache_saved
+                    if i in self.ve_index:
+                        halves = torch.cat((mu[6], mu[7]), dim=-1).repeat_interleave(H // 2, dim=-1)  # (T, H)
+                        aux_v = aux_v + (halves[..., None] * ve[self.ve_index[i]].view(T, H, dv)).view(T, D)
+                elif i in self.ve_index:
+                    jv = self.ve_index[i]
+                    w = a.ve_gate_width
+                    gate_in = torch.cat((h[:, :w], ve[jv][:, :w]), dim=-1)
+                    vg = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_bank[jv].type_as(h)))  # (T, H)
+                    aux_v = (vg[..., None] * ve[jv].view(T, H, dv)).view(T, D)
+                y = self._attention(i, h, aux_v, gates, cu_seqlens, max_seqlen, args)
+                if mu is not None:
+                    x = mu[8] * x + mu[9] * y + mu[10] * x_in
+                    x = self._add_bigram(x, xb, mu[11])
+                else:
+                    x = ra[i] * x + pa[i] * y + x0 * gates["x0"][i]
+                    if i != 0:
+                        x = self._add_bigram(x, xb, gates["bigram"][i])
+            h = _norm(x)
+            if mu is not None:
+                x = mu[12] * x + mu[13] * self.mlp_impl(h, self.mlp_bank[i, 0], self.mlp_bank[i, 1])
+            else:
+                x = rm[i] * x + pm[i] * self.mlp_impl(h, self.mlp_bank[i, 0], self.mlp_bank[i, 1])
+            if i == a.skip_from:
+                cache_skip = x
+            if i == a.saved_layer:
+                cache_saved = x
+
+        m = mudd_mlp(x, self.mudd_w1[1], self.mudd_w2[1, :MUDD1_COEFS], self.mudd_b2[1, :MUDD1_COEFS], a.mudd_scale)
+        m = [c[:, None] for c in m.unbind(-1)]
+        ve0 = ve[0]
+        x = x + m[0] * x_in + m[1] * cache_saved + m[2] * x_last + m[3] * ve0 + m[4] * cache_skip
+        return _norm(x)
+
+    def _softcap(self) -> tuple[float, float, float]:
+        return (self.cfg.softcap_a, self.cfg.softcap_b, self.cfg.softcap_c)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(T, D) -> softcapped logits (T, padded_vocab) float32 (the eval path's logits)."""
+        return apply_softcap((h @ self.lm_head.type_as(h)).float(), *self._softcap())
+
+    def per_token_training_loss(self, batch, args: ForwardArgs = ForwardArgs()) -> torch.Tensor:
+        """(T,) float32: multi-token + prefix-token CE per position (before averaging)."""
+        h = self.hidden(batch, args)
+        targets = batch.targets.long()
+        prefix = None
+        if not (isinstance(args.prefix_weight, (int, float)) and args.prefix_weight == 0):
+            prefix = torch.where(targets >= 0, self.prefix_table[targets.clamp(min=0)], targets.new_full((), -1))
+        return self.ce_impl(h, self.lm_head, targets, args.mtp_weights, prefix, args.prefix_weight,
+                            softcap=self._softcap())
+
+    def loss(self, batch, args: ForwardArgs = ForwardArgs()) -> torch.Tensor:
+        """Training loss: mean over the batch's T tokens of the MTP + prefix softcapped CE (scalar)."""
+        per_tok = self.per_token_training_loss(batch, args)
+        return per_tok.sum() / per_tok.shape[0]
+
+    def per_token_loss(self, batch, args: ForwardArgs = ForwardArgs()) -> torch.Tensor:
+        """Eval loss: plain next-token softcapped CE per position over the padded vocabulary, (T,)
+        float32 (targets < 0 give 0)."""
+        h = self.hidden(batch, args)
+        return self.eval_ce_impl(h, self.lm_head, batch.targets, softcap=self._softcap())

@@ -1,0 +1,654 @@
+"""NorMuon + Adam: the record's combined optimizer, driven by a per-parameter table (recipe §4.1).
+
+Matrix weights live in "banks" of independent matrices, e.g. ``qk_bank`` (64, 256, 768): one
+(256, 768) matrix per head pair.  NorMuon treats every matrix of a bank separately:
+
+1. fp32 Nesterov momentum: ``buf <- lerp(buf, g, 1-mu)``, ``g <- lerp(g, buf, mu)``;
+2. bf16 Polar Express orthogonalisation (:func:`speedrun.kernels.polar_express.polar_express`);
+3. NorMuon variance reduction: an Adafactor-like second moment per row (tall/square matrices) or
+   per column (wide ones), ``beta2`` = 0.9, rescaled so each matrix keeps its Frobenius norm;
+4. cautious weight decay + update on an fp32 master weight, where the master is the bf16 weight
+   plus a 16-bit "mantissa" buffer holding the low half of the fp32 bits:
+   ``p <- p - p*[v*p >= 0]*(wd*wd_mul*lr)*(lr*lr_mul) - v*(lr*lr_mul)``;
+   ``lr_mul`` includes the shape factor ``max(1, rows/cols)**0.5`` and, for the MLP bank, 2x on
+   matrices with an odd index (c_proj).
+
+Everything else uses Adam (:mod:`speedrun.optim.adam`) and only steps on odd steps; its gradients
+are left in ``.grad`` on even steps so that they sum over two steps.
+
+Distribution (torch.distributed, any world size; a single-process path when it is not
+initialised): "sharded" parameters are reduce-scattered (banks split along their matrix index,
+padded with zero matrices up to a multiple of the world size), each rank updates its own shard,
+then all-gathered; "replicated" parameters are all-reduced and updated everywhere;
+"sharded_sparse" (the bigram table) sends only the rows each rank touched since the last Adam
+step to their owners (all_to_all) and adds them into the owner's shard.  NCCL uses
+reduce_scatter/all_gather with AVG; other backends (gloo, for CPU tests) fall back to all_reduce
+SUM + slice and list all_gather.
+
+Optimizer state is per rank (each rank holds only its shard's state).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from speedrun.optim.adam import adam_update_, new_adam_state
+
+__all__ = [
+    "ParamGroupSpec",
+    "OptimizerHyper",
+    "record_param_table",
+    "RECORD_WORK_ORDER",
+    "NorMuonAndAdam",
+    "split_fp32",
+    "join_bf16",
+    "normuon_variance_reduction_",
+    "normuon_update_",
+]
+
+_OPTIMS = ("normuon", "adam")
+_COMMS = ("sharded", "replicated", "sharded_sparse", "none")
+
+
+@dataclass(frozen=True)
+class ParamGroupSpec:
+    """How one parameter (identified by ``label``) is optimised and communicated.
+
+    optim: "normuon" (matrix banks) or "adam".
+    comms: "sharded" | "replicated" | "sharded_sparse" | "none"; forced to "none" when the world
+        size is 1.
+    betas: Adam (beta1, beta2); ignored by NorMuon.
+    lr_mul / wd_mul: multipliers on the base learning rate and weight decay.
+    odd_matrix_lr_mul: NorMuon only; extra lr factor on matrices with an odd index in the bank
+        (the record's MLP bank stores (c_fc, c_proj) pairs, and c_proj gets 2x).
+    matrix_shape: NorMuon only; (rows, cols) of one matrix; default: the parameter's last two
+        dims.  The bank is viewed as (numel // (rows*cols), rows, cols).
+    """
+
+    label: str
+    optim: str
+    comms: str = "replicated"
+    betas: tuple[float, float] | None = None
+    lr_mul: float = 1.0
+    wd_mul: float = 1.0
+    odd_matrix_lr_mul: float = 1.0
+    matrix_shape: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.optim not in _OPTIMS:
+            raise ValueError(f"ParamGroupSpec {self.label!r}: optim must be one of {_OPTIMS}, got {self.optim!r}")
+        if self.comms not in _COMMS:
+            raise ValueError(f"ParamGroupSpec {self.label!r}: comms must be one of {_COMMS}, got {self.comms!r}")
+        if self.optim == "adam" and self.betas is None:
+            raise ValueError(f"ParamGroupSpec {self.label!r}: Adam parameters need betas")
+        if self.optim == "normuon" and self.comms == "sharded_sparse":
+            raise ValueError(f"ParamGroupSpec {self.label!r}: sharded_sparse is for Adam tables only")
+
+
+@dataclass
+class OptimizerHyper:
+    """Base hyperparameters (record recipe §4.1 defaults).  Learning rates are absolute, before the
+    schedule's multiplier and each parameter's ``lr_mul``."""
+
+    adam_lr: float = 0.008
+    adam_eps: float = 1e-10
+    adam_weight_decay: float = 0.005
+    muon_lr: float = 0.023
+    muon_momentum: float = 0.95
+    muon_beta2: float = 0.9
+    muon_weight_decay: float = 1.2
+
+
+def record_param_table() -> list[ParamGroupSpec]:
+    """The record's per-parameter table, in its reduce ("scatter") order (recipe §4.1)."""
+    b99, b95 = (0.9, 0.99), (0.9, 0.95)
+    return [
+        ParamGroupSpec("qk_bank", "normuon", "sharded"),
+        ParamGroupSpec("vo_bank", "normuon", "sharded"),
+        ParamGroupSpec("mlp_bank", "normuon", "sharded", odd_matrix_lr_mul=2.0),
+        ParamGroupSpec("scalars", "adam", "replicated", b99, lr_mul=5.0, wd_mul=0.0),
+        ParamGroupSpec("smear_gate", "adam", "replicated", b99, lr_mul=0.01, wd_mul=0.0),
+        ParamGroupSpec("ve_gate_bank", "adam", "replicated", b99),
+        ParamGroupSpec("lm_head", "adam", "sharded", (0.5, 0.95), wd_mul=150.0),
+        ParamGroupSpec("bigram_embed", "adam", "sharded_sparse", (0.75, 0.95), lr_mul=75.0, wd_mul=5.0),
+        ParamGroupSpec("post_lambdas", "adam", "replicated", b95, lr_mul=1.0, wd_mul=0.0),
+        ParamGroupSpec("resid_lambdas", "adam", "replicated", b95, lr_mul=5.0, wd_mul=0.0),
+        ParamGroupSpec("value_embeds", "adam", "sharded", (0.75, 0.95), lr_mul=75.0, wd_mul=5.0),
+        ParamGroupSpec("embed", "adam", "sharded", (0.5, 0.95), wd_mul=150.0),
+        ParamGroupSpec("mudd_w1", "adam", "replicated", b99, lr_mul=0.25),
+        ParamGroupSpec("mudd_w2", "adam", "replicated", b99, lr_mul=0.25),
+        ParamGroupSpec("mudd_b2", "adam", "replicated", b99, lr_mul=0.25, wd_mul=0.0),
+        ParamGroupSpec("mudd_gate_w1", "adam", "replicated", b99, lr_mul=0.1),
+        ParamGroupSpec("mudd_gate_w2", "adam", "replicated", b99, lr_mul=0.1),
+        ParamGroupSpec("mudd_gate_b2", "adam", "replicated", b99, lr_mul=0.1, wd_mul=0.0),
+        ParamGroupSpec("_mudd_gate_scale", "adam", "replicated", b99, lr_mul=0.1, wd_mul=0.0),
+    ]
+
+
+# Update order: small parameters first while the large reductions are still in flight; lm_head
+# before embed (tied copy); the Polar Express banks last.
+RECORD_WORK_ORDER: tuple[str, ...] = (
+    "scalars", "smear_gate", "ve_gate_bank", "mudd_b2", "mudd_gate_b2", "_mudd_gate_scale",
+    "post_lambdas", "resid_lambdas", "mudd_w2", "mudd_gate_w2", "value_embeds", "bigram_embed",
+    "mudd_w1", "mudd_gate_w1", "lm_head", "embed", "qk_bank", "vo_bank", "mlp_bank",
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Mantissa tracking: a bf16 weight plus the low 16 bits of its fp32 master
+
+
+def join_bf16(hi: Tensor, lo: Tensor) -> Tensor:
+    """fp32 tensor whose upper 16 bits are bf16 ``hi`` and lower 16 bits int16 ``lo`` (same shape)."""
+    bits = (hi.view(torch.int16).to(torch.int32) << 16) | (lo.to(torch.int32) & 0xFFFF)
+    return bits.view(torch.float32)
+
+
+def split_fp32(x: Tensor, hi_out: Tensor, lo_out: Tensor) -> None:
+    """Write the upper half of fp32 ``x``'s bits to bf16 ``hi_out`` (truncation, not rounding, so
+    that ``join_bf16(hi_out, lo_out)`` equals ``x`` exactly) and the lower half to int16 ``lo_out``."""
+    bits = x.contiguous().view(torch.int32)
+    hi_out.view(torch.int16).copy_((bits >> 16).to(torch.int16))
+    lo_out.copy_(bits.to(torch.int16))
+
+
+# ------------------------------------------------------------------------------------------------
+# NorMuon math on one rank's shard
+
+
+def normuon_variance_reduction_(v: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
+    """NorMuon's per-row/column normalisation of orthogonalised updates, in place; returns ``v``.
+
+    v: (G, rows, cols) bf16 (or fp32).  second_moment: fp32 (G, rows, 1) when rows >= cols,
+    else (G, 1, cols); an EMA (``beta2``) of the mean square of v over the other dimension.
+    Each row (column) is divided by the root of its second moment, then the matrix is scaled back
+    to the Frobenius norm it had before.
+    """
+    red = -1 if v.size(-2) >= v.size(-1) else -2
+    n = v.size(red)
+    ms = v.float().square().mean(dim=red, keepdim=True)
+    norm_before = (ms.sum(dim=(-2, -1), keepdim=True) * n).sqrt()
+    second_moment.lerp_(ms, 1.0 - beta2)
+    inv_rms = second_moment.clamp_min(1e-10).rsqrt()
+    norm_after = (ms * n * inv_rms.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+    scale = inv_rms * (norm_before / norm_after.clamp_min(1e-10))
+    return v.mul_(scale.to(v.dtype))
+
+
+def normuon_update_(
+    p: Tensor,
+    mantissa: Tensor | None,
+    grad: Tensor,
+    momentum_buffer: Tensor,
+    second_moment: Tensor,
+    *,
+    lr: Tensor | float,
+    wd: float,
+    momentum: float,
+    beta2: float,
+    use_triton: bool | None = None,
+) -> Tensor:
+    """One NorMuon step on a shard of G matrices, in place; returns ``p``.
+
+    p: (G, rows, cols) weights, bf16 (then ``mantissa`` is an int16 (G, rows, cols) buffer of the
+    low fp32 bits) or fp32 (``mantissa`` None).  grad: (G, rows, cols) any float dtype (read only).
+    momentum_buffer: fp32 (G, rows, cols).  second_moment: see :func:`normuon_variance_reduction_`.
+    lr: effective step size ``base_lr * schedule * lr_mul``, a float or an fp32 (G, 1, 1) tensor of
+    per-matrix values.  wd: ``weight_decay * wd_mul * base_lr * schedule``, so the applied decay
+    is wd * lr (quadratic in the learning rate, as in the record).
+    """
+    from speedrun.kernels.polar_express import polar_express
+
+    g = grad.float()
+    momentum_buffer.lerp_(g, 1.0 - momentum)
+    g = g.lerp(momentum_buffer, momentum)  # Nesterov look-ahead; out of place: grad stays intact
+    v = polar_express(g, use_triton=use_triton)
+    v = normuon_variance_reduction_(v, second_moment, beta2).float()
+    if p.dtype == torch.bfloat16:
+        if mantissa is None:
+            raise ValueError("normuon_update_: bf16 weights need a mantissa buffer")
+        master = join_bf16(p, mantissa)
+    else:
+        master = p.float()
+    keep_sign = (v * master >= 0).to(torch.float32)  # cautious WD: decay only where v agrees with p
+    new = master - master * keep_sign * (wd * lr) - v * lr
+    if p.dtype == torch.bfloat16:
+        split_fp32(new, p, mantissa)
+    else:
+        p.copy_(new)
+    return p
+
+
+# ------------------------------------------------------------------------------------------------
+# Communication helpers (NCCL fast path; generic fallback for gloo)
+
+
+class _Pending:
+    """An async collective plus what to do when it finishes; ``wait()`` returns the result."""
+
+    def __init__(self, work: Any, finish: Callable[[], Tensor]):
+        self.work, self.finish = work, finish
+
+    def wait(self) -> Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.finish()
+
+
+def _finish(gather: tuple[_Pending | None, Callable[[], None] | None]) -> None:
+    fut, fin = gather
+    if fut is not None:
+        fut.wait()
+    if fin is not None:
+        fin()
+
+
+class _Comms:
+    def __init__(self, group: Any = None):
+        self.group = group
+        self.active = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(group) if self.active else 1
+        self.rank = dist.get_rank(group) if self.active else 0
+        self.nccl = self.active and dist.get_backend(group) == "nccl"
+
+    def all_reduce_avg(self, t: Tensor) -> _Pending:
+        if self.nccl:
+            return _Pending(dist.all_reduce(t, op=dist.ReduceOp.AVG, group=self.group, async_op=True), lambda: t)
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return _Pending(work, lambda: t.div_(self.world))
+
+    def reduce_scatter_avg(self, full: Tensor) -> _Pending:
+        """Average ``full`` (dim 0 divisible by world) over ranks; result: this rank's dim-0 chunk."""
+        chunk = full.size(0) // self.world
+        full = full.contiguous()
+        if self.nccl:
+            out = torch.empty((chunk, *full.shape[1:]), dtype=full.dtype, device=full.device)
+            work = dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+            return _Pending(work, lambda: out)
+        buf = full.clone()
+        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return _Pending(work, lambda: buf[self.rank * chunk:(self.rank + 1) * chunk].div_(self.world))
+
+    def all_gather(self, out: Tensor, shard: Tensor) -> _Pending:
+        """Gather every rank's ``shard`` into contiguous ``out`` (dim 0 = world * shard dim 0)."""
+        shard = shard.contiguous()
+        if self.nccl:
+            return _Pending(dist.all_gather_into_tensor(out, shard, group=self.group, async_op=True), lambda: out)
+        parts = list(out.chunk(self.world, dim=0))
+        work = dist.all_gather(parts, shard, group=self.group, async_op=True)
+        return _Pending(work, lambda: out)
+
+    def all_to_all(self, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        dist.all_to_all_single(out, inp.contiguous(), output_split_sizes=out_splits,
+                               input_split_sizes=in_splits, group=self.group)
+
+
+# ------------------------------------------------------------------------------------------------
+# The optimizer
+
+
+@dataclass
+class _Entry:
+    spec: ParamGroupSpec
+    param: Tensor
+    comms: str
+    # NorMuon bank layout
+    groups: int = 0
+    rows: int = 0
+    cols: int = 0
+    padded_groups: int = 0
+    chunk: int = 0  # matrices (NorMuon) or dim-0 rows (sharded Adam) owned by this rank
+    lr_mul: Tensor | None = None  # NorMuon: fp32 (chunk, 1, 1) per-matrix multipliers
+    state: dict = field(default_factory=dict)
+
+
+class NorMuonAndAdam:
+    """The record's combined optimizer.
+
+    params: mapping label -> parameter (each needs a spec in ``table``; specs without a parameter
+        are ignored, so a model may use a subset of the record table).
+    table: the :class:`ParamGroupSpec` list; its order is the reduce order.
+    work_order: labels in the order updates run (default: table order); unknown labels ignored.
+    hyper: base hyperparameters.  schedule: optional object with ``at(step)`` returning something
+        with ``lr_mult``, ``muon_momentum``, ``adam_step`` and ``untie`` attributes (e.g.
+        :class:`speedrun.optim.schedule.RecordSchedule`); then ``step(i)`` needs nothing else.
+    tied: optional (lm_head_label, embed_label) whose weights start tied: lm_head is (D, V), embed
+        (V, D); embed's gradient is folded into lm_head's and embed gets lm_head^T until
+        :meth:`untie`.
+    group: process group (default: the world when torch.distributed is initialised).
+    use_triton: forwarded to Polar Express (None: Triton on CUDA).
+
+    Usage per training step: backward, then ``opt.step(step_index)``.  ``step`` clears the grads it
+    consumed (set to None); Adam grads are kept on even steps so the next backward adds to them.
+    Do not call :meth:`zero_grad` between steps.
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
+        table: Sequence[ParamGroupSpec] | None = None,
+        *,
+        work_order: Sequence[str] | None = None,
+        hyper: OptimizerHyper | None = None,
+        schedule: Any = None,
+        tied: tuple[str, str] | None = None,
+        group: Any = None,
+        use_triton: bool | None = None,
+    ):
+        params = dict(params)
+        table = list(record_param_table() if table is None else table)
+        specs = {s.label: s for s in table}
+        missing = sorted(set(params) - set(specs))
+        if missing:
+            raise ValueError(f"NorMuonAndAdam: no ParamGroupSpec for parameter(s) {missing}; "
+                             f"known labels: {sorted(specs)}")
+        self.hyper = hyper or OptimizerHyper()
+        self.schedule = schedule
+        self.use_triton = use_triton
+        self.comms = _Comms(group)
+        self.order = [s.label for s in table if s.label in params]
+        wo = list(work_order) if work_order is not None else list(self.order)
+        self.work_order = [lab for lab in wo if lab in params] + [lab for lab in self.order if lab not in wo]
+        self.entries: dict[str, _Entry] = {}
+        for label in self.order:
+            self.entries[label] = self._build_entry(specs[label], params[label])
+        if tied is not None:
+            for lab in tied:
+                if lab not in self.entries or self.entries[lab].spec.optim != "adam":
+                    raise ValueError(f"NorMuonAndAdam: tied label {lab!r} must be an Adam parameter present in params")
+            lm, em = (self.entries[lab].param for lab in tied)
+            if lm.ndim != 2 or tuple(em.shape) != (lm.shape[1], lm.shape[0]):
+                raise ValueError(f"NorMuonAndAdam: tied weights must be (D, V) and (V, D), got "
+                                 f"{tuple(lm.shape)} and {tuple(em.shape)}")
+        self.tied = tied
+        self.split_embed = False
+        self.lr_mult = 1.0
+        self.muon_momentum = self.hyper.muon_momentum
+        self._touched: dict[str, Tensor] = {}
+        self.reset()
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def _build_entry(self, spec: ParamGroupSpec, p: Tensor) -> _Entry:
+        W, rank = self.comms.world, self.comms.rank
+        comms = "none" if W == 1 else spec.comms
+        e = _Entry(spec=spec, param=p, comms=comms)
+        if spec.optim == "normuon":
+            if not p.is_contiguous():
+                raise ValueError(f"NorMuon parameter {spec.label!r} must be contiguous")
+            rows, cols = spec.matrix_shape or (tuple(p.shape[-2:]) if p.ndim >= 2 else (0, 0))
+            if p.ndim < 2 or rows * cols == 0 or p.numel() % (rows * cols):
+                raise ValueError(f"NorMuon parameter {spec.label!r} of shape {tuple(p.shape)} cannot be "
+                                 f"viewed as matrices of {(rows, cols)}")
+            e.groups, e.rows, e.cols = p.numel() // (rows * cols), rows, cols
+            shards = W if comms == "sharded" else 1
+            e.padded_groups = -(-e.groups // shards) * shards
+            e.chunk = e.padded_groups // shards
+            first = rank * e.chunk if comms == "sharded" else 0
+            shape_mul = max(1.0, rows / cols) ** 0.5
+            muls = [shape_mul * spec.lr_mul * (spec.odd_matrix_lr_mul if (first + i) % 2 else 1.0)
+                    for i in range(e.chunk)]
+            e.lr_mul = torch.tensor(muls, dtype=torch.float32, device=p.device).view(-1, 1, 1)
+        else:
+            if comms in ("sharded", "sharded_sparse") and (p.ndim == 0 or p.shape[0] % W):
+                warnings.warn(f"Adam parameter {spec.label!r} of shape {tuple(p.shape)} cannot be split "
+                              f"over {W} ranks along dim 0; all-reducing it instead", stacklevel=3)
+                comms = "replicated"
+            e.comms = comms
+            e.chunk = p.shape[0] // W if comms in ("sharded", "sharded_sparse") else (p.shape[0] if p.ndim else 1)
+        return e
+
+    def _init_state(self, e: _Entry) -> None:
+        p = e.param
+        if e.spec.optim == "adam":
+            shard = self._adam_shard(e)
+            e.state = new_adam_state(shard)
+            return
+        shape = (e.chunk, e.rows, e.cols)
+        red_shape = (e.chunk, e.rows, 1) if e.rows >= e.cols else (e.chunk, 1, e.cols)
+        e.state = {
+            "momentum_buffer": torch.zeros(shape, dtype=torch.float32, device=p.device),
+            "second_moment": torch.zeros(red_shape, dtype=torch.float32, device=p.device),
+        }
+        if p.dtype == torch.bfloat16:
+            e.state["mantissa"] = torch.zeros(shape, dtype=torch.int16, device=p.device)
+
+    def reset(self) -> None:
+        """Zero all optimizer state (moments, step counts, mantissas), re-tie embed/lm_head and
+        forget touched sparse rows.  Use after an untimed warmup together with restoring weights."""
+        for e in self.entries.values():
+            self._init_state(e)
+        self.split_embed = False
+        self._touched.clear()
+
+    # -- shards -----------------------------------------------------------------------------------
+
+    def _adam_shard(self, e: _Entry) -> Tensor:
+        if e.comms in ("sharded", "sharded_sparse"):
+            r = self.comms.rank
+            return e.param.data[r * e.chunk:(r + 1) * e.chunk]
+        return e.param.data
+
+    def _bank(self, t: Tensor, e: _Entry) -> Tensor:
+        """(G, rows, cols) view of a bank-shaped tensor, zero-padded to ``padded_groups``."""
+        v = t.reshape(e.groups, e.rows, e.cols)
+        if e.padded_groups == e.groups:
+            return v
+        pad = torch.zeros((e.padded_groups - e.groups, e.rows, e.cols), dtype=v.dtype, device=v.device)
+        return torch.cat([v, pad])
+
+    # -- public controls --------------------------------------------------------------------------
+
+    def set_lr_momentum(self, lr_mult: float, muon_momentum: float | None = None) -> None:
+        """Set the schedule's lr multiplier (applies to every base lr) and the NorMuon momentum."""
+        self.lr_mult = float(lr_mult)
+        if muon_momentum is not None:
+            self.muon_momentum = float(muon_momentum)
+
+    def mark_rows(self, label: str, rows: Tensor) -> None:
+        """Record that this rank's ``label`` gradient may be non-zero in ``rows`` (dim-0 indices).
+
+        For "sharded_sparse" tables: call every step with the rows the forward touched (e.g. the
+        bigram ids of the batch); the next Adam step exchanges only those rows.  A table with no
+        marked rows falls back to the dense reduce-scatter, which is always correct.
+        """
+        e = self.entries[label]
+        if label not in self._touched:
+            self._touched[label] = torch.zeros(e.param.shape[0], dtype=torch.bool, device=e.param.device)
+        self._touched[label][rows.to(device=e.param.device, dtype=torch.long).reshape(-1)] = True
+
+    def zero_grad(self) -> None:
+        """Drop every gradient (including Adam's accumulated ones)."""
+        for e in self.entries.values():
+            e.param.grad = None
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, step_index: int, *, lr_mult: float | None = None, muon_momentum: float | None = None,
+             do_adam: bool | None = None) -> None:
+        """Update all parameters for training step ``step_index`` (0-based).
+
+        Values not given come from the schedule (if one was passed), else from
+        :meth:`set_lr_momentum`; ``do_adam`` defaults to ``step_index`` being odd.  With a schedule
+        whose settings say ``untie`` at this step, :meth:`untie` runs after the update.
+        """
+        settings = self.schedule.at(step_index) if self.schedule is not None else None
+        if lr_mult is None:
+            lr_mult = settings.lr_mult if settings is not None else self.lr_mult
+        if muon_momentum is None:
+            muon_momentum = settings.muon_momentum if settings is not None else self.muon_momentum
+        if do_adam is None:
+            do_adam = settings.adam_step if settings is not None else step_index % 2 == 1
+        lm_label, em_label = self.tied if (self.tied and not self.split_embed) else (None, None)
+
+        # Phase 1: launch every reduction in table order.
+        pending: dict[str, Any] = {}
+        for label in self.order:
+            e = self.entries[label]
+            if (e.spec.optim == "adam" and not do_adam) or e.param.grad is None or label == em_label:
+                continue
+            if label == lm_label:
+                em_grad = self.entries[em_label].param.grad
+                if em_grad is not None:
+                    e.param.grad.add_(em_grad.mT)
+            pending[label] = self._launch_reduce(e)
+
+        # Phase 2: updates in work order, each followed by its gather.
+        gathers: list[tuple[_Pending | None, Callable[[], None] | None]] = []
+        for label in self.work_order:
+            if label not in pending:
+                continue
+            e = self.entries[label]
+            grad = pending[label]() if callable(pending[label]) else pending[label].wait()
+            gather: tuple[_Pending | None, Callable[[], None] | None] = (None, None)
+            if e.spec.optim == "adam":
+                shard = self._adam_shard(e)
+                adam_update_(shard, grad, e.state, lr=self.hyper.adam_lr * lr_mult * e.spec.lr_mul,
+                             betas=e.spec.betas, eps=self.hyper.adam_eps,
+                             weight_decay=self.hyper.adam_weight_decay * e.spec.wd_mul)
+                if e.comms in ("sharded", "sharded_sparse"):
+                    gather = (self.comms.all_gather(e.param.data, shard), None)
+            else:
+                gather = self._normuon_step(e, grad, lr_mult, muon_momentum)
+            if label == lm_label:  # the embed copy needs the full lm_head now
+                _finish(gather)
+                self.entries[em_label].param.data.copy_(e.param.data.mT)
+            else:
+                gathers.append(gather)
+
+        # Phase 3: finish gathers and clear consumed gradients.
+        for gather in gathers:
+            _finish(gather)
+        for e in self.entries.values():
+            if e.spec.optim == "normuon" or do_adam:
+                e.param.grad = None
+        if do_adam:
+            self._touched.clear()
+        if settings is not None and getattr(settings, "untie", False) and self.tied and not self.split_embed:
+            self.untie()
+
+    def _launch_reduce(self, e: _Entry):
+        g = e.param.grad
+        if e.spec.optim == "normuon":
+            if e.comms == "sharded":
+                return self.comms.reduce_scatter_avg(self._bank(g, e))
+            if e.comms == "replicated":
+                return self.comms.all_reduce_avg(g)  # reshaped at update time
+            return _Pending(None, lambda: g)
+        if e.comms == "replicated":
+            return self.comms.all_reduce_avg(g)
+        if e.comms == "sharded":
+            return self.comms.reduce_scatter_avg(g)
+        if e.comms == "sharded_sparse":
+            if e.spec.label in self._touched:
+                return lambda: self._sparse_reduce(e)
+            return self.comms.reduce_scatter_avg(g)
+        return _Pending(None, lambda: g)
+
+    def _sparse_reduce(self, e: _Entry) -> Tensor:
+        """Average the touched rows of a row-sharded table's gradient into this rank's shard."""
+        g, W, rank, chunk = e.param.grad, self.comms.world, self.comms.rank, e.chunk
+        rows = self._touched[e.spec.label].nonzero().view(-1)
+        owner = torch.div(rows, chunk, rounding_mode="floor")
+        send = rows[owner != rank]  # our own rows are already in our shard of g
+        send_counts = torch.bincount(owner[owner != rank], minlength=W).to(torch.int64)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.comms.group)
+        sc, rc = send_counts.tolist(), recv_counts.tolist()
+        recv_rows = torch.empty(sum(rc), dtype=torch.int64, device=g.device)
+        self.comms.all_to_all(recv_rows, send, rc, sc)
+        width = g[0].numel()
+        recv_vals = torch.empty((sum(rc), width), dtype=g.dtype, device=g.device)
+        self.comms.all_to_all(recv_vals.view(-1), g[send].reshape(-1), [c * width for c in rc], [c * width for c in sc])
+        shard = g[rank * chunk:(rank + 1) * chunk]
+        shard.index_add_(0, recv_rows - rank * chunk, recv_vals.view(-1, *g.shape[1:]))
+        return shard.mul_(1.0 / W)
+
+    def _normuon_step(self, e: _Entry, grad: Tensor, lr_mult: float, momentum: float):
+        h = self.hyper
+        base_lr = h.muon_lr * lr_mult
+        sharded = e.comms == "sharded"
+        grad = grad.reshape(e.chunk, e.rows, e.cols)
+        first = self.comms.rank * e.chunk if sharded else 0
+        full = e.param.data.view(e.groups, e.rows, e.cols)
+        if first + e.chunk <= e.groups:
+            local, copy_back = full[first:first + e.chunk], None
+        else:  # this shard reaches into the zero padding: work on a padded copy
+            local = torch.zeros((e.chunk, e.rows, e.cols), dtype=full.dtype, device=full.device)
+            n_real = max(0, e.groups - first)
+            local[:n_real] = full[first:first + n_real]
+            copy_back = n_real
+        normuon_update_(local, e.state.get("mantissa"), grad, e.state["momentum_buffer"], e.state["second_moment"],
+                        lr=e.lr_mul * base_lr, wd=h.muon_weight_decay * e.spec.wd_mul * base_lr,
+                        momentum=momentum, beta2=h.muon_beta2, use_triton=self.use_triton)
+        if not sharded:
+            if copy_back is not None:
+                full[:copy_back] = local[:copy_back]
+            return (None, None)
+        if e.padded_groups == e.groups:
+            return (self.comms.all_gather(full.view(e.padded_groups, e.rows, e.cols), local), None)
+        out = torch.empty((e.padded_groups, e.rows, e.cols), dtype=full.dtype, device=full.device)
+        fut = self.comms.all_gather(out, local)
+        return (fut, lambda: full.copy_(out[: e.groups]))
+
+    # -- untying ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def untie(self) -> None:
+        """Stop tying embed to lm_head: embed's Adam state becomes lm_head's state transposed (the
+        record does this right after the step at the split step)."""
+        if not self.tied or self.split_embed:
+            return
+        lm, em = (self.entries[lab] for lab in self.tied)
+        em.state["step"] = lm.state["step"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            src = lm.state[key]
+            if lm.comms in ("sharded", "sharded_sparse"):
+                full = torch.empty(lm.param.shape, dtype=src.dtype, device=src.device)
+                self.comms.all_gather(full, src).wait()
+            else:
+                full = src
+            full_t = full.mT
+            if em.comms in ("sharded", "sharded_sparse"):
+                r = self.comms.rank
+                full_t = full_t[r * em.chunk:(r + 1) * em.chunk]
+            em.state[key].copy_(full_t)
+        self.split_embed = True
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """This rank's state: {"labels": {label: {name: tensor|int}}, "split_embed", "world_size",
+        "rank"}.  Tensors are references; deep-copy to snapshot."""
+        return {
+            "labels": {lab: dict(e.state) for lab, e in self.entries.items()},
+            "split_embed": self.split_embed,
+            "world_size": self.comms.world,
+            "rank": self.comms.rank,
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Copy a :meth:`state_dict` from the same world size and rank back in (in place)."""
+        if sd.get("world_size", 1) != self.comms.world:
+            raise ValueError(f"state_dict was saved with world size {sd.get('world_size')}, "
+                             f"this optimizer runs with {self.comms.world}")
+        for lab, saved in sd["labels"].items():
+            if lab not in self.entries:
+                raise ValueError(f"state_dict has unknown label {lab!r}")
+            st = self.entries[lab].state
+            for k, v in saved.items():
+                if isinstance(v, Tensor):
+                    if k not in st or st[k].shape != v.shape:
+                        raise ValueError(f"state_dict {lab}.{k}: shape {tuple(v.shape)} does not match")
+                    st[k].copy_(v)
+                else:
+                    st[k] = v
+        self.split_embed = bool(sd.get("split_embed", False))
+

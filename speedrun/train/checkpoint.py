@@ -1,0 +1,54 @@
+"""Checkpoints: everything needed to continue a run bit-for-bit.
+
+A checkpoint holds the model and optimizer state, every rank's data-loader position, the RNG
+states, the step reached and the training time spent so far.  Files are written to a temporary
+name and renamed, so a run killed while saving never leaves a half-written latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speedrun.errors import SpeedrunError
+
+_NAME = re.compile(r"^step_(\d{6,})\.pt$")
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:06d}.pt"
+
+
+def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
+    """Write ``state`` for ``step`` atomically; keep only the newest ``keep`` checkpoints."""
+    path = checkpoint_path(run_dir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    folder = run_dir / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def load_latest(run_dir: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """The newest checkpoint of ``run_dir``; a clear error if there is none or it is unreadable."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise SpeedrunError(f"{run_dir} has no checkpoints to resume from (looked in {run_dir / 'checkpoints'})")
+    try:
+        return torch.load(found[-1], map_location=map_location, weights_only=False)
+    except Exception as e:
+        raise SpeedrunError(f"cannot read checkpoint {found[-1]}: {type(e).__name__}: {e}") from None

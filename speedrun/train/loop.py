@@ -1,0 +1,404 @@
+"""The training loop: untimed warmup, timed region, periodic validation, checkpoints, resume.
+
+One function, :func:`train`, runs a :class:`~speedrun.config.RunConfig` from start to finish (or
+continues one from its newest checkpoint) on one process or under torchrun.  The clock covers
+data loading, forward, backward, communication and the optimizer step; it stops (after a device
+synchronize) around validation, checkpointing and logging that needs host values.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import glob
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from speedrun import distributed
+from speedrun.config import RunConfig, Stage
+from speedrun.errors import ConfigError, DataError
+from speedrun.model import build_model
+from speedrun.model.interface import ForwardArgs
+from speedrun.train.checkpoint import load_latest, save_checkpoint
+from speedrun.train.runlog import RunLog, environment_lines, new_run_dir, step_line, val_line
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    final_val_loss: float
+    train_time_ms: float
+    sample: str
+    stopped_early: bool = False
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+
+
+def _expand(pattern: str, what: str) -> list[Path]:
+    if not pattern:
+        raise DataError(f"no {what} files given (data.{what}_files is empty)")
+    paths = sorted(Path(p) for p in glob.glob(pattern, recursive=True))
+    if not paths and Path(pattern).is_dir():
+        paths = sorted(Path(pattern).glob("*.bin"))
+    if not paths:
+        raise DataError(f"no {what} shard matches {pattern!r}; pass --data/--val-data with a glob of .bin shards "
+                        f"(see 'speedrun data fineweb --help' and 'speedrun data tokenize --help')")
+    return paths
+
+
+def resolve_data(cfg: RunConfig):
+    """(train_files, val_files, tokenizer) for the run's data source; checks the vocabulary fits."""
+    from speedrun.data import builtin_corpus_shards, get_tokenizer
+
+    d = cfg.data
+    if d.source == "builtin":
+        train_files, val_files = builtin_corpus_shards(d.cache_dir or None)
+        tokenizer = get_tokenizer("bytes")
+    elif d.source == "shards":
+        train_files = _expand(d.train_files, "train")
+        val_files = _expand(d.val_files, "val") if d.val_files else None
+        if val_files is None:
+            raise DataError("no validation shards: pass --val-data (a glob of *_val_*.bin shards)")
+        try:
+            tokenizer = get_tokenizer(d.tokenizer, d.tokenizer_dir or None)
+        except DataError:
+            tokenizer = None  # sampling is skipped; training needs only token ids
+    else:
+        raise ConfigError(f"unknown data.source {d.source!r}; known: builtin, shards")
+    if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but model.vocab_size is "
+                          f"{cfg.model.vocab_size}: set model.vocab_size={tokenizer.vocab_size}")
+    if tokenizer is not None and tokenizer.bos_id != d.bos_id:
+        raise ConfigError(f"data.bos_id={d.bos_id} but tokenizer {tokenizer.name} uses BOS {tokenizer.bos_id}")
+    return train_files, val_files, tokenizer
+
+
+def stages_of(cfg: RunConfig) -> list[Stage]:
+    t = cfg.train
+    if t.stages:
+        return sorted(t.stages, key=lambda s: s.start_step)
+    window = t.window or None
+    return [Stage(0, t.batch_tokens, t.max_seq_len, window, window)]
+
+
+def stage_at(stages: list[Stage], step: int) -> int:
+    index = 0
+    for i, s in enumerate(stages):
+        if s.start_step <= step:
+            index = i
+    return index
+
+
+def tokens_per_rank(stage: Stage, cfg: RunConfig, world: int) -> int:
+    parts = world * cfg.train.grad_accum
+    if stage.batch_tokens % parts:
+        raise ConfigError(f"batch of {stage.batch_tokens} tokens does not split over {world} ranks x "
+                          f"{cfg.train.grad_accum} accumulation steps")
+    return stage.batch_tokens // parts
+
+
+def forward_args(stage: Stage) -> ForwardArgs:
+    return ForwardArgs(window_short=stage.window_short, window_long=stage.window_long,
+                       mtp_weights=tuple(stage.mtp_weights), prefix_weight=float(stage.prefix_weight[0]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Steps
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def train_step(model, optimizer, loader, step: int, args: ForwardArgs, cfg: RunConfig, info, dtype) -> float:
+    """One optimizer step over grad_accum micro-batches.
+
+    Returns this rank's mean training loss as a device scalar (reading it would synchronize)."""
+    total = torch.zeros((), device=info.device)
+    for _ in range(cfg.train.grad_accum):
+        batch = loader.next_batch()
+        with _autocast(info.device, dtype):
+            loss = model.loss(batch, args) / cfg.train.grad_accum
+        loss.backward()
+        total += loss.detach()
+    distributed.all_reduce_mean_([p.grad for p in model.parameters() if p.grad is not None], info)
+    optimizer.step(step)
+    optimizer.zero_grad()
+    return total
+
+
+@torch.no_grad()
+def evaluate(model, val_files, cfg: RunConfig, info, dtype, per_rank: int) -> float:
+    """Mean next-token cross entropy (nats) over ``val_tokens`` tokens of the validation shards."""
+    from speedrun.data import ValLoader
+
+    num = (cfg.train.val_tokens // (per_rank * info.world_size)) * per_rank * info.world_size
+    if num == 0:
+        raise ConfigError(f"train.val_tokens={cfg.train.val_tokens} is smaller than one validation batch "
+                          f"({per_rank} tokens x {info.world_size} ranks)")
+    loader = ValLoader(val_files, num, per_rank, rank=info.rank, world_size=info.world_size,
+                       bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size, device=info.device)
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), device=info.device, dtype=torch.float64)
+    count = 0
+    args = ForwardArgs()
+    for batch in loader:
+        with _autocast(info.device, dtype):
+            losses = model.per_token_loss(batch, args)
+        loss_sum += losses.double().sum()
+        count += losses.numel()
+    model.train(was_training)
+    stats = torch.stack([loss_sum, torch.tensor(float(count), device=info.device, dtype=torch.float64)])
+    if info.enabled:
+        torch.distributed.all_reduce(stats)
+    return (stats[0] / stats[1]).item()
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _gather_objects(obj, info) -> list:
+    if not info.enabled:
+        return [obj]
+    out = [None] * info.world_size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _fmt_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+
+
+def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, console: bool = True,
+          stop_after: int | None = None) -> TrainResult:
+    """Run ``cfg`` to completion; with ``resume``, continue ``run_dir`` from its newest checkpoint.
+
+    ``stop_after`` ends the run right after the checkpoint of that step, as if the process had been
+    killed there (used to test resumption).
+    """
+    from speedrun.data import TrainLoader
+
+    cfg.model.validate()
+    info = distributed.setup(cfg.train.device)
+    device = info.device
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.train.dtype)
+    if dtype is None:
+        if cfg.train.dtype != "auto":
+            raise ConfigError(f"train.dtype must be bf16, fp32 or auto, got {cfg.train.dtype!r}")
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    # Run folder: created by rank 0, shared with the others.
+    if resume:
+        if run_dir is None or not (Path(run_dir) / "config.json").exists():
+            raise ConfigError(f"cannot resume: {run_dir} is not a run folder (no config.json)")
+        run_dir = Path(run_dir)
+    elif run_dir is None:
+        name = [str(new_run_dir(cfg.out_dir, cfg.name)) if info.is_main else None]
+        if info.enabled:
+            torch.distributed.broadcast_object_list(name, src=0)
+        run_dir = Path(name[0])
+    else:
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+    log = RunLog(run_dir, enabled=info.is_main, console=console)
+    if info.is_main and not resume:
+        (run_dir / "config.json").write_text(cfg.to_json())
+
+    torch.manual_seed(cfg.train.seed)
+    train_files, val_files, tokenizer = resolve_data(cfg)
+    stages = stages_of(cfg)
+    per_rank = [tokens_per_rank(s, cfg, info.world_size) for s in stages]
+    model = build_model(cfg.model).to(device)
+    if cfg.train.optimizer != "adam":
+        raise ConfigError(f"train.optimizer={cfg.train.optimizer!r} is not available for model.architecture="
+                          f"{cfg.model.architecture!r}; use adam")
+    from speedrun.optim.core import CoreOptimizer
+
+    optimizer = CoreOptimizer(model, cfg.train)
+    run_model = torch.compile(model, dynamic=False) if cfg.train.compile else model
+
+    def make_loader(stage_index: int):
+        s = stages[stage_index]
+        return TrainLoader(train_files, per_rank[stage_index], s.max_seq_len, rank=info.rank,
+                           world_size=info.world_size, bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size,
+                           device=device)
+
+    if not resume:
+        log.print(f"seed: {cfg.train.seed}", console=False)
+        log.print("config: " + json.dumps(cfg.to_dict(), sort_keys=True), console=False)
+        log.print("=" * 100, console=False)
+        for line in environment_lines(device):
+            log.print(line, console=False)
+        log.print(f"world_size: {info.world_size} grad_accum: {cfg.train.grad_accum} dtype: {dtype}", console=False)
+        log.print(f"train shards: {len(train_files)} ({train_files[0]} ...) val shards: {len(val_files)}", console=False)
+        log.print(f"parameters: {sum(p.numel() for p in model.parameters()):,}", console=False)
+        log.print("=" * 100, console=False)
+
+    # Untimed warmup: run every stage's shapes so compilation happens here, then undo everything.
+    if cfg.train.warmup_steps > 0 and not resume:
+        log.print(f"Compiling model and warming up kernels ({cfg.train.warmup_steps} steps per stage)")
+        model_state = copy.deepcopy(model.state_dict())
+        opt_state = copy.deepcopy(optimizer.state_dict())
+        for si, stage in enumerate(stages):
+            loader = make_loader(si)
+            for i in range(cfg.train.warmup_steps):
+                train_step(run_model, optimizer, loader, stage.start_step + i, forward_args(stage), cfg, info, dtype)
+            loader.close()
+        evaluate(run_model, val_files, cfg, info, dtype, max(per_rank))
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(opt_state)
+        optimizer.zero_grad()
+        torch.manual_seed(cfg.train.seed)
+        log.print("Resetting Model", console=False)
+
+    total_steps = cfg.train.steps
+    start_step, train_ms, last_val = 0, 0.0, float("nan")
+    stage_index = stage_at(stages, 0)
+    loader = make_loader(stage_index)
+    if resume:
+        ckpt = load_latest(run_dir, map_location=device)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        start_step, train_ms = ckpt["step"], ckpt["train_time_ms"]
+        stage_index = stage_at(stages, start_step)
+        loader.close()
+        loader = make_loader(stage_index)
+        loader.load_state_dict(ckpt["loaders"][info.rank])
+        _set_rng_state(ckpt["rng"], device)
+        log.print(f"Resumed from step {start_step} (train_time {train_ms:.0f}ms)")
+
+    def checkpoint(step: int) -> None:
+        loaders = _gather_objects(loader.state_dict(), info)
+        if info.is_main:
+            save_checkpoint(run_dir, step, {
+                "step": step, "train_time_ms": train_ms, "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(), "loaders": loaders, "rng": _rng_state(device),
+                "config": cfg.to_dict(),
+            })
+        distributed.barrier(info)
+
+    def validate(step: int) -> float:
+        loss = evaluate(run_model, val_files, cfg, info, dtype, max(per_rank))
+        avg = train_ms / max(step, 1)
+        log.print(val_line(step, total_steps, loss, train_ms, avg))
+        log.metric(event="val", step=step, val_loss=loss, train_time_ms=train_ms)
+        return loss
+
+    stopped = False
+    if start_step == 0 and cfg.train.val_every > 0:
+        last_val = validate(0)
+    _sync(device)
+    t0 = time.perf_counter()
+    window_start, window_steps = t0, 0
+    loss_acc = torch.zeros((), device=device)
+    for step in range(start_step, total_steps):
+        si = stage_at(stages, step)
+        if si != stage_index:
+            stage_index = si
+            loader.set_shape(per_rank[si], stages[si].max_seq_len)
+        loss_acc += train_step(run_model, optimizer, loader, step, forward_args(stages[si]), cfg, info, dtype)
+        window_steps += 1
+        done = step + 1
+        is_last = done == total_steps
+        want_log = done % cfg.train.log_every == 0 or is_last
+        want_val = is_last or (cfg.train.val_every > 0 and done % cfg.train.val_every == 0)
+        want_ckpt = is_last or (cfg.train.checkpoint_every > 0 and done % cfg.train.checkpoint_every == 0) \
+            or done == stop_after
+        if want_log or want_val or want_ckpt:
+            _sync(device)
+            now = time.perf_counter()
+            train_ms += (now - t0) * 1000
+            step_avg = train_ms / done
+            if want_log:
+                mean_loss = loss_acc.item() / window_steps
+                tok_s = window_steps * stages[si].batch_tokens / max(now - window_start, 1e-9)
+                eta = (total_steps - done) * step_avg / 1000
+                log.print(step_line(done, total_steps, train_ms, step_avg), console=False)
+                log.metric(event="train", step=done, loss=mean_loss, train_time_ms=train_ms, tokens_per_s=tok_s)
+                if log.console:
+                    print(f"step {done}/{total_steps}  loss {mean_loss:.4f}  {tok_s:,.0f} tok/s  "
+                          f"step_avg {step_avg:.1f}ms  eta {_fmt_eta(eta)}", flush=True)
+                loss_acc.zero_()
+                window_steps = 0
+            if want_val:
+                last_val = validate(done)
+            if want_ckpt:
+                checkpoint(done)
+            if done == stop_after and not is_last:
+                stopped = True
+                break
+            _sync(device)
+            t0 = time.perf_counter()
+            window_start = t0
+    loader.close()
+
+    sample = ""
+    if not stopped and info.is_main:
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device) // 2**20
+            reserved = torch.cuda.max_memory_reserved(device) // 2**20
+            log.print(f"peak memory allocated: {peak} MiB reserved: {reserved} MiB")
+        sample = _sample(model, tokenizer, cfg, device)
+        if sample:
+            (run_dir / "sample.txt").write_text(sample, encoding="utf-8")
+            log.print("sample: " + json.dumps(sample, ensure_ascii=False))
+        summary = {"steps": total_steps, "final_val_loss": last_val, "train_time_ms": train_ms,
+                   "seed": cfg.train.seed, "run_dir": str(run_dir)}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.close()
+    distributed.teardown()
+    return TrainResult(run_dir, total_steps, last_val, train_ms, sample, stopped)
+
+
+def _sample(model, tokenizer, cfg: RunConfig, device) -> str:
+    if tokenizer is None or cfg.train.sample_tokens <= 0 or not hasattr(model, "generate"):
+        return ""
+    g = torch.Generator(device=device).manual_seed(cfg.train.seed)
+    prompt = [tokenizer.bos_id] + tokenizer.encode(cfg.train.sample_prompt)
+    was_training = model.training
+    model.eval()
+    with _autocast(device, torch.bfloat16 if device.type == "cuda" else torch.float32):
+        ids = model.generate(prompt, cfg.train.sample_tokens, generator=g,
+                             window=stages_of(cfg)[-1].window_short)
+    model.train(was_training)
+    return cfg.train.sample_prompt + tokenizer.decode(ids)
+
+
+def config_with(cfg: RunConfig, **train_fields) -> RunConfig:
+    """A copy of ``cfg`` with some train fields replaced (helper for tests and tools)."""
+    new = copy.deepcopy(cfg)
+    new.train = dataclasses.replace(new.train, **train_fields)
+    return new

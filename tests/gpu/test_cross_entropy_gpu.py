@@ -1,0 +1,150 @@
+"""Loss head at record shapes on a CUDA GPU: Triton CE kernel and the FP8/bf16 head vs references.
+
+Record shapes: D=768, V_pad=50304 with 50257 real tokens, 3 MTP weights and the prefix term.
+The references run in row chunks so fp32 (N, V) intermediates stay small.  Run on the H200:
+``python -m pytest -m gpu tests/gpu/test_cross_entropy_gpu.py -q``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speedrun.kernels.cross_entropy import (
+    GRAD_UNIT_SCALE,
+    fused_softcapped_ce,
+    fused_softcapped_ce_reference,
+    softcapped_ce_eval,
+    softcapped_ce_fwd_bwd,
+    softcapped_ce_fwd_bwd_reference,
+    softcapped_multitoken_ce_reference,
+)
+from speedrun.kernels.fp8_ops import fp8_supported, quantize_tensorwise, scaled_mm
+
+pytestmark = pytest.mark.gpu
+
+D, V_PAD, VOCAB = 768, 50304, 50257
+MTP = [1.0, 0.5, 0.25]
+CHUNK = 1024
+
+
+def rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def batch(n, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    targets = torch.randint(0, VOCAB, (n,), device="cuda", generator=g)
+    prefix = torch.randint(0, VOCAB, (n,), device="cuda", generator=g)
+    prefix[::3] = -1
+    targets[::997] = -1
+    return targets, prefix
+
+
+def chunked_reference(logits, targets, prefix, grad_dtype, grad_out_scale):
+    """Reference (losses, dlogits) row chunk by row chunk; chunks still see the following targets."""
+    losses, grads = [], []
+    for a in range(0, logits.shape[0], CHUNK):
+        b = min(a + CHUNK, logits.shape[0])
+        l, g = softcapped_ce_fwd_bwd_reference(
+            logits[a:b], targets[a:], MTP, prefix[a:b], 0.25, vocab_size=VOCAB,
+            grad_out_scale=grad_out_scale, grad_dtype=grad_dtype, check_targets=False,
+        )
+        losses.append(l)
+        grads.append(g)
+    return torch.cat(losses), torch.cat(grads)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float8_e5m2])
+def test_kernel_at_record_vocab(grad_dtype):
+    n = 8192
+    logits = (torch.randn(n, V_PAD, device="cuda") * 6).to(torch.bfloat16)
+    targets, prefix = batch(n)
+    scale = 1.0 / GRAD_UNIT_SCALE if grad_dtype == torch.float8_e5m2 else 1.0
+    losses = torch.full((n,), float("nan"), device="cuda")
+    dlogits = torch.full((n, V_PAD), float("nan"), device="cuda").to(grad_dtype)
+    softcapped_ce_fwd_bwd(
+        logits, targets, torch.tensor(MTP, device="cuda"), prefix, torch.tensor([0.25], device="cuda"),
+        vocab_size=VOCAB, grad_out_scale=scale, grad_dtype=grad_dtype, losses_out=losses, dlogits_out=dlogits,
+    )
+    assert torch.isfinite(losses).all() and torch.isfinite(dlogits.float()).all()
+    assert (dlogits[:, VOCAB:].float() == 0).all()
+    ref_l, ref_d = chunked_reference(logits, targets, prefix, grad_dtype, scale)
+    ref_exact = chunked_reference(logits, targets, prefix, torch.float32, scale)[1]
+    assert rel(losses, ref_l) < 1e-5
+    mismatch = (dlogits.float() != ref_d.float()).float().mean().item()
+    assert mismatch < 1e-3, f"{mismatch:.2e} of dlogits round differently from torch's cast"
+    assert rel(dlogits, ref_exact) < (1e-2 if grad_dtype == torch.bfloat16 else 0.08)
+
+
+def test_kernel_full_record_batch_losses():
+    n = 49152
+    logits = (torch.randn(n, V_PAD, device="cuda") * 6).to(torch.bfloat16)
+    targets, prefix = batch(n, seed=1)
+    losses, _ = softcapped_ce_fwd_bwd(
+        logits, targets, MTP, prefix, 0.25, vocab_size=VOCAB, grad_out_scale=1 / GRAD_UNIT_SCALE,
+        grad_dtype=torch.float8_e5m2,
+    )
+    ref = torch.cat([
+        softcapped_multitoken_ce_reference(logits[a : a + CHUNK], targets[a:], MTP, prefix[a : a + CHUNK], 0.25, vocab_size=VOCAB)
+        for a in range(0, n, CHUNK)
+    ])
+    assert rel(losses, ref) < 1e-5
+
+
+def head(n, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, D, device="cuda", generator=g).to(torch.bfloat16)
+    # lm_head weights of the record's magnitude (|W| well under w_s * 448 = 1.6)
+    w = (torch.randn(D, V_PAD, device="cuda", generator=g) * 0.08).to(torch.bfloat16)
+    targets, prefix = batch(n, seed)
+    return x, w, targets, prefix
+
+
+def run(fn, x, w, targets, prefix, grad_scale, **kw):
+    xx = x.clone().requires_grad_(True)
+    ww = w.clone().requires_grad_(True)
+    losses = fn(xx, ww, targets, torch.tensor(MTP, device="cuda"), prefix, 0.25, vocab_size=VOCAB, **kw)
+    (losses.sum() * grad_scale).backward()
+    return losses.detach(), xx.grad, ww.grad
+
+
+def test_bf16_head_at_record_shape():
+    args = head(4096)
+    got = run(fused_softcapped_ce, *args, 0.5)
+    want = run(fused_softcapped_ce_reference, *args, 0.5)
+    assert rel(got[0], want[0]) < 1e-4
+    assert rel(got[1], want[1]) < 2e-2 and rel(got[2], want[2]) < 2e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not fp8_supported("cuda"), reason="needs FP8 tensor cores (sm89+)")
+def test_fp8_head_at_record_shape():
+    args = head(4096, seed=3)
+    got = run(fused_softcapped_ce, *args, 0.125, use_fp8=True)
+    same_ops = run(fused_softcapped_ce, *args, 0.125, use_fp8=True, ce_backend="reference")
+    exact = run(fused_softcapped_ce_reference, *args, 0.125, use_fp8=True)
+    for a, b in zip(got, same_ops):
+        assert rel(a, b) < 1e-2
+    # use_fast_accum in the forward GEMM vs the fp32 emulation of the reference
+    assert rel(got[0], exact[0]) < 1e-3
+    assert rel(got[1], exact[1]) < 0.1 and rel(got[2], exact[2]) < 0.1
+    assert got[1].dtype == torch.bfloat16 and got[2].dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not fp8_supported("cuda"), reason="needs FP8 tensor cores (sm89+)")
+def test_scaled_mm_matches_emulation_on_gpu():
+    a = quantize_tensorwise(torch.randn(256, 768, device="cuda"), 100 / 448, torch.float8_e4m3fn)
+    b = quantize_tensorwise(torch.randn(768, 512, device="cuda") * 0.05, 1.6 / 448, torch.float8_e4m3fn)
+    got = scaled_mm(a, b.t().contiguous().t(), 100 / 448, 1.6 / 448, torch.float32)
+    want = (a.float() @ b.float()) * (100 / 448 * 1.6 / 448)
+    assert rel(got, want) < 1e-5
+    # row-major B is accepted (copied into column-major)
+    assert rel(scaled_mm(a, b, 100 / 448, 1.6 / 448, torch.float32), want) < 1e-5
+
+
+def test_eval_at_record_shape():
+    x, w, targets, _ = head(4096, seed=5)
+    got = softcapped_ce_eval(x, w, targets, vocab_size=VOCAB, chunk_rows=1000)
+    want = softcapped_multitoken_ce_reference(x @ w, targets, [1.0], vocab_size=VOCAB)
+    assert rel(got, want) < 1e-5

@@ -1,0 +1,163 @@
+"""MLP kernels and the FP8 weight cache at record shapes on a CUDA GPU (sm89+ for FP8).
+
+Run on the H200: ``python -m pytest -q -m gpu tests/gpu/test_mlp_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+if torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("FP8 needs sm89 or newer", allow_module_level=True)
+
+from speedrun.kernels.fp8_cache import (  # noqa: E402
+    E4M3,
+    E5M2,
+    FP8WeightCache,
+    StaleFP8CacheError,
+    quantize_dual_layout,
+    quantize_dual_layout_reference,
+)
+from speedrun.kernels.mlp import (  # noqa: E402
+    MLPScaleState,
+    relu2_gemm,
+    relu2_gemm_reference,
+    relu2_mlp,
+    relu2_mlp_reference,
+)
+
+T, D, H = 8192, 768, 3072
+DEV = "cuda"
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _poison(*shape, dtype):
+    return torch.full(shape, float("nan"), device=DEV).to(dtype)
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+def test_dual_layout_bit_exact(fp8_dtype):
+    g = torch.Generator(device=DEV).manual_seed(1)
+    bank = torch.randn(5, 2, H, D, device=DEV, generator=g).bfloat16() * 0.02
+    w = bank[:, 1]  # strided batch, like one half of the MLP bank
+    scale = torch.rand(5, device=DEV, generator=g) * 1e-4 + 2e-5  # some values saturate
+    out, out_t = _poison(5, H, D, dtype=fp8_dtype), _poison(5, D, H, dtype=fp8_dtype)
+    q, qt, amax = quantize_dual_layout(w, scale, fp8_dtype=fp8_dtype, out=out, out_t=out_t)
+    rq, rqt, ramax = quantize_dual_layout_reference(w, scale, fp8_dtype=fp8_dtype)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), q.transpose(1, 2).contiguous().view(torch.uint8))
+    assert torch.equal(amax, ramax)
+
+
+def _mlp_inputs(seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(T, D, device=DEV, generator=g).bfloat16()
+    w1 = (torch.randn(H, D, device=DEV, generator=g) / D**0.5).bfloat16()
+    w2 = (torch.randn(D, H, device=DEV, generator=g) / H**0.5).bfloat16()
+    gy = torch.randn(T, D, device=DEV, generator=g).bfloat16()
+    return x, w1, w2, gy
+
+
+def test_relu2_gemm_forward_bf16_and_fp8():
+    x, w1, _, _ = _mlp_inputs(2)
+    out = _poison(T, H, dtype=torch.bfloat16)
+    r = relu2_gemm(x, w1, out=out)
+    ref = relu2_gemm_reference(x, w1)
+    assert rel(r.out, ref.out) < 1e-2
+    # FP8 operands, bf16 + e4m3 (both layouts) outputs.
+    xs = x.float().abs().amax() / 448
+    ws = w1.float().abs().amax() / 448
+    xq, _, _ = quantize_dual_layout(x, xs)
+    wq, _, _ = quantize_dual_layout(w1, ws)
+    qs = ref.out.float().abs().amax() * 1.5 / 448
+    kw = dict(a_scale=xs, b_scale=ws, q_dtype=E4M3, q_scale=qs, emit_transposed=True)
+    r = relu2_gemm(
+        xq, wq, out=_poison(T, H, dtype=torch.bfloat16), out_q=_poison(T, H, dtype=E4M3),
+        out_qt=_poison(H, T, dtype=E4M3), amax=torch.zeros((), device=DEV), **kw,
+    )
+    rr = relu2_gemm_reference(xq, wq, amax=torch.zeros((), device=DEV), **kw)
+    assert rel(r.out, rr.out) < 1e-2
+    assert rel(r.q.float(), rr.q.float()) < 2e-2  # a few near-ties round to the other neighbour
+    assert torch.equal(r.qt.view(torch.uint8), r.q.t().contiguous().view(torch.uint8))
+    assert abs(r.amax.item() - rr.amax.item()) / rr.amax.item() < 1e-2
+
+
+def test_relu2_gemm_backward_fp8_aux():
+    x, w1, w2, gy = _mlp_inputs(3)
+    post = relu2_gemm_reference(x, w1).out
+    ref = relu2_gemm_reference(gy, w2.t(), aux=post)
+    r = relu2_gemm(gy, w2.t(), aux=post, out=_poison(T, H, dtype=torch.bfloat16))
+    assert rel(r.out, ref.out) < 1e-2
+    ps = post.float().amax() / 448
+    pq, _, _ = quantize_dual_layout(post, ps)
+    gs = gy.float().abs().amax() / 57344
+    gq, _, _ = quantize_dual_layout(gy, gs, fp8_dtype=E5M2)
+    w2s = w2.float().abs().amax() / 448
+    _, w2qt, _ = quantize_dual_layout(w2, w2s)
+    ds = ref.out.float().abs().amax() * 2 / 57344
+    kw = dict(aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, q_dtype=E5M2, q_scale=ds, emit_transposed=True)
+    r = relu2_gemm(gq, w2qt, store_out=False, out_q=_poison(T, H, dtype=E5M2), out_qt=_poison(H, T, dtype=E5M2), **kw)
+    rr = relu2_gemm_reference(gq, w2qt, store_out=False, **kw)
+    assert rel(r.q.float(), rr.q.float()) < 3e-2
+    assert torch.equal(r.qt.view(torch.uint8), r.q.t().contiguous().view(torch.uint8))
+    assert rel(r.q.float() * ds, ref.out) < 0.12  # e5m2 (2 mantissa bits) of g and dpre, e4m3 post/w2
+
+
+@pytest.mark.parametrize("mode,bound_y,bound_g", [("bf16", 1e-2, 1e-2), ("fp8_fwd", 8e-2, 8e-2), ("fp8_full", 8e-2, 0.12)])
+def test_relu2_mlp_modes_record_shape(mode, bound_y, bound_g):
+    x, w1, w2, gy = _mlp_inputs(4)
+    xs, w1s, w2s = (t.clone().requires_grad_() for t in (x, w1, w2))
+    y_ref = relu2_mlp_reference(xs, w1s, w2s)
+    y_ref.backward(gy)
+    cache = None
+    if mode != "bf16":
+        c = FP8WeightCache()
+        c.refresh({"w1": w1, "w2": w2})
+        cache = (c.get("w1"), c.get("w2"))
+    state = MLPScaleState.create(DEV)
+    xk, w1k, w2k = (t.clone().requires_grad_() for t in (x, w1, w2))
+    for _ in range(2):  # second call uses the delayed scales measured by the first
+        xk.grad = w1k.grad = w2k.grad = None
+        y = relu2_mlp(xk, w1k, w2k, mode=mode, cache=cache, scales=state)
+        y.backward(gy)
+    assert torch.isfinite(y).all()
+    assert rel(y, y_ref) < bound_y
+    assert rel(xk.grad, xs.grad) < bound_g
+    assert rel(w1k.grad, w1s.grad) < bound_g
+    assert rel(w2k.grad, w2s.grad) < bound_g
+
+
+def test_weight_cache_update_cycle():
+    g = torch.Generator(device=DEV).manual_seed(5)
+    bank = torch.nn.Parameter((torch.randn(11, 2, H, D, device=DEV, generator=g) * 0.02).bfloat16())
+    cache = FP8WeightCache(bootstrap_refreshes=1)
+    cache.refresh({"w1": bank[:, 0], "w2": bank[:, 1]})
+    e = cache.get("w1")
+    assert tuple(e.data.shape) == (11, H, D) and tuple(e.data_t.shape) == (11, D, H)
+    with torch.no_grad():
+        bank.mul_(1.01)  # an "optimizer update"
+    with pytest.raises(StaleFP8CacheError):
+        cache.get("w1")
+    cache.refresh({"w1": bank[:, 0], "w2": bank[:, 1]})  # delayed scale: previous amax x 1.12
+    e = cache.get("w2")
+    deq = e.data.float() * e.scale[:, None, None]
+    assert rel(deq, bank[:, 1].detach()) < 4e-2
+    assert not cache.saturated("w2").any()

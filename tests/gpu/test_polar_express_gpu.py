@@ -1,0 +1,113 @@
+"""Polar Express Triton kernels and NorMuon at the record's shapes, on CUDA (skipped without a GPU).
+
+Run on the H200: ``pytest -m gpu tests/gpu/test_polar_express_gpu.py -q``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speedrun.kernels import polar_express as pe
+
+pytestmark = pytest.mark.gpu
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def poisoned(shape, dtype=torch.bfloat16):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+# qk: per-rank chunk of 8 head-pair matrices (256 x 768), PR #344's 192-row variant, the full
+# single-GPU bank (64); vo: square 768; mlp: tall 3072 x 768; plus ragged shapes for the masks.
+XXT_SHAPES = [(8, 256, 768), (8, 192, 768), (64, 256, 768), (3, 768, 768), (24, 768, 768), (3, 200, 700)]
+XTX_SHAPES = [(8, 3072, 768), (3, 3072, 768), (24, 3072, 768), (2, 1000, 300)]
+BA_SHAPES = [(8, 768, 768), (8, 256, 256), (8, 192, 192), (3, 200, 200)]
+
+
+@pytest.mark.parametrize("shape", XXT_SHAPES)
+def test_xxt_record_shapes(shape):
+    A = torch.randn(shape, device="cuda").bfloat16()
+    out = poisoned((shape[0], shape[1], shape[1]))
+    pe.xxt(A, out)
+    ref = pe.xxt_reference(A, torch.empty_like(out))
+    assert not out.isnan().any()
+    assert rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("shape", XTX_SHAPES)
+def test_xtx_record_shapes(shape):
+    A = torch.randn(shape, device="cuda").bfloat16()
+    out = poisoned((shape[0], shape[2], shape[2]))
+    pe.xtx(A, out)
+    ref = pe.xtx_reference(A, torch.empty_like(out))
+    assert not out.isnan().any()
+    assert rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("shape", BA_SHAPES)
+def test_ba_plus_caa_record_shapes(shape):
+    X = torch.randn(shape[0], shape[1], 512, device="cuda")
+    A = (X @ X.mT / 512).bfloat16()
+    out = poisoned(shape)
+    pe.ba_plus_caa(A, 0.5, -2.5, out)
+    ref = pe.ba_plus_caa_reference(A, 0.5, -2.5, torch.empty_like(out))
+    assert not out.isnan().any()
+    assert rel(out, ref) < 1e-2
+
+
+def test_fp32_output_and_2d_input():
+    A = torch.randn(300, 768, device="cuda")
+    out = torch.full((300, 300), float("nan"), device="cuda")
+    pe.xxt(A, out)
+    assert rel(out, A.double() @ A.double().T) < 1e-2  # tf32-class accuracy from tl.dot on fp32
+
+
+@pytest.mark.parametrize("shape", [(8, 256, 768), (3, 768, 768), (3, 3072, 768), (8, 192, 768)])
+def test_polar_express_triton_vs_torch(shape):
+    G = torch.randn(shape, device="cuda")
+    X = pe.polar_express(G)  # CUDA: Triton
+    Y = pe.polar_express(G, use_triton=False)
+    assert X.dtype == torch.bfloat16 and X.shape == G.shape
+    assert rel(X, Y) < 0.1
+    assert rel(pe.polar_express(G, steps=1), pe.polar_express_reference(G, steps=1)) < 2e-2
+    lo, hi = pe._spectral_bounds(X)
+    assert 0.7 < lo and hi < 1.25
+
+
+def test_mantissa_bit_ops_on_cuda():
+    from speedrun.optim.normuon import join_bf16, split_fp32
+
+    x = torch.randn(4096, device="cuda") * 10
+    hi = torch.empty(4096, dtype=torch.bfloat16, device="cuda")
+    lo = torch.empty(4096, dtype=torch.int16, device="cuda")
+    split_fp32(x, hi, lo)
+    assert torch.equal(join_bf16(hi, lo).view(torch.int32), x.view(torch.int32))
+
+
+def test_normuon_and_adam_step_on_cuda():
+    from speedrun.optim.normuon import NorMuonAndAdam, ParamGroupSpec
+
+    torch.manual_seed(0)
+    params = {
+        "qk_bank": torch.nn.Parameter(torch.randn(64, 256, 768, device="cuda").bfloat16() * 0.02),
+        "mlp_bank": torch.nn.Parameter(torch.randn(4, 2, 3072, 768, device="cuda").bfloat16() * 0.02),
+        "scalars": torch.nn.Parameter(torch.ones(24, device="cuda")),
+    }
+    table = [ParamGroupSpec("qk_bank", "normuon", "sharded"),
+             ParamGroupSpec("mlp_bank", "normuon", "sharded", odd_matrix_lr_mul=2.0),
+             ParamGroupSpec("scalars", "adam", "replicated", (0.9, 0.99), lr_mul=5.0, wd_mul=0.0)]
+    opt = NorMuonAndAdam(params, table)
+    assert opt.entries["mlp_bank"].lr_mul.view(-1).tolist()[:2] == [2.0, 4.0]  # sqrt(3072/768) x (1, 2)
+    start = {k: p.detach().clone() for k, p in params.items()}
+    for step in range(2):
+        for p in params.values():
+            g = torch.randn_like(p)
+            p.grad = g if p.grad is None else p.grad + g
+        opt.step(step, lr_mult=1.0, muon_momentum=0.9)
+    for k, p in params.items():
+        assert torch.isfinite(p.float()).all(), k
+        assert not torch.equal(p.data, start[k]), k

@@ -1,0 +1,51 @@
+import pytest
+
+from speedrun.config import ModelConfig, RunConfig, Stage, apply_overrides, preset
+from speedrun.errors import ConfigError
+
+
+def test_presets_are_fresh_copies():
+    a, b = preset("tiny"), preset("tiny")
+    a.train.steps = 1
+    assert b.train.steps != 1
+
+
+def test_unknown_preset_lists_known():
+    with pytest.raises(KeyError, match="tiny"):
+        preset("nope")
+
+
+def test_overrides_convert_types():
+    cfg = apply_overrides(preset("tiny"), ["train.steps=12", "train.lr=1e-3", "train.compile=true",
+                                            "model.attn_scale=0.1", "name=abc", "train.batch_tokens=8_192"])
+    assert cfg.train.steps == 12 and cfg.train.lr == 1e-3 and cfg.train.compile is True
+    assert cfg.model.attn_scale == 0.1 and cfg.name == "abc" and cfg.train.batch_tokens == 8192
+    cfg = apply_overrides(cfg, ["model.attn_scale=none"])
+    assert cfg.model.attn_scale is None
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("train.nope=1", "unknown setting"),
+    ("train.steps=abc", "cannot read"),
+    ("train.compile=maybe", "cannot read"),
+    ("steps", "section.field=value"),
+    ("model=3", "unknown setting"),
+])
+def test_bad_overrides(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        apply_overrides(preset("tiny"), [bad])
+
+
+def test_model_validation():
+    with pytest.raises(ConfigError, match="num_heads"):
+        ModelConfig(model_dim=100, num_heads=4, v_head_dim=32).validate()
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        ModelConfig(qk_head_dim=30).validate()
+    assert ModelConfig(vocab_size=50257).padded_vocab_size == 50304
+
+
+def test_round_trip_through_dict():
+    cfg = preset("small")
+    cfg.train.stages = [Stage(0, 1024, 128, 64, 128, (1.0, 0.5)), Stage(10, 2048, 256, 64, 128)]
+    again = RunConfig.from_dict(cfg.to_dict())
+    assert again == cfg

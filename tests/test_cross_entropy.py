@@ -1,0 +1,374 @@
+"""Softcapped multi-token CE: Triton kernel and fused head vs plain-PyTorch references (CPU).
+
+Run the Triton parts under the interpreter: ``TRITON_INTERPRET=1 python -m pytest tests/test_cross_entropy.py``.
+Shapes are small (N=64 rows, D=64, V_pad=384 with 300 real tokens) so the file runs in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from speedrun.errors import DataError
+from speedrun.kernels import cross_entropy as ce
+from speedrun.kernels.cross_entropy import (
+    DEFAULT_SOFTCAP,
+    fused_softcapped_ce,
+    fused_softcapped_ce_reference,
+    mtp_target_matrix,
+    softcapped_ce_eval,
+    softcapped_ce_fwd_bwd,
+    softcapped_ce_fwd_bwd_reference,
+    softcapped_multitoken_ce_reference,
+)
+from speedrun.kernels.fp8_ops import fp8_supported, quantize_tensorwise, scaled_mm
+
+N, D, V_PAD, VOCAB = 64, 64, 384, 300
+
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available(),
+    reason="Triton kernels need TRITON_INTERPRET=1 on a machine without CUDA",
+)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def make_batch(n=N, v_pad=V_PAD, vocab=VOCAB, scale=4.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, v_pad, generator=g) * scale).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    targets[[3, 17]] = -1  # masked next-token positions (e.g. a document's padding)
+    prefix = torch.randint(0, vocab, (n,), generator=g)
+    prefix[::3] = -1  # rows whose next token has no proper-prefix token
+    return logits, targets, prefix
+
+
+def random_weights(k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + seed)
+    w = torch.rand(k, generator=g) + 0.1
+    w[0] = 1.0
+    return w
+
+
+# ----------------------------------------------------------------------------------------------
+# The reference itself, against independent formulations
+
+
+def test_mtp_target_matrix_shifts_and_masks_only_the_batch_end():
+    t = torch.tensor([5, 6, 7, 8, 9])
+    m = mtp_target_matrix(t, 5, 3)
+    assert m.tolist() == [[5, 6, 7], [6, 7, 8], [7, 8, 9], [8, 9, -1], [9, -1, -1]]
+    # more targets than rows: a slice of rows still sees the following tokens
+    assert mtp_target_matrix(t, 2, 3).tolist() == [[5, 6, 7], [6, 7, 8]]
+
+
+def test_reference_next_token_equals_plain_cross_entropy():
+    logits, targets, _ = make_batch()
+    targets = targets.clamp_min(0)
+    a, b, c = DEFAULT_SOFTCAP
+    s = a * torch.sigmoid((logits.float() + b) / c)
+    want = F.cross_entropy(s[:, :VOCAB], targets, reduction="none")
+    got = softcapped_multitoken_ce_reference(logits, targets, [1.0], vocab_size=VOCAB)
+    assert rel(got, want) < 1e-6
+
+
+def test_reference_multi_token_and_prefix_terms_by_explicit_loops():
+    logits, targets, prefix = make_batch()
+    w = [1.0, 0.5, 0.25]
+    got = softcapped_multitoken_ce_reference(logits, targets, w, prefix, 0.3, DEFAULT_SOFTCAP, VOCAB)
+    a, b, c = DEFAULT_SOFTCAP
+    logp = torch.log_softmax(a * torch.sigmoid((logits.float()[:, :VOCAB] + b) / c), dim=-1)
+    want = torch.zeros(N)
+    for t in range(N):
+        for k, wk in enumerate(w):
+            if t + k < N and targets[t + k] >= 0:
+                want[t] += wk * -logp[t, targets[t + k]]
+        if prefix[t] >= 0:
+            want[t] += 0.3 * -logp[t, prefix[t]]
+    assert rel(got, want) < 1e-6
+    assert got[-1] == pytest.approx(-logp[-1, targets[-1]].item(), rel=1e-5)  # only k=0 left at the end
+
+
+def test_reference_without_softcap_is_raw_logits():
+    logits, targets, _ = make_batch()
+    targets = targets.clamp_min(0)
+    got = softcapped_multitoken_ce_reference(logits, targets, [1.0], softcap=None)
+    assert rel(got, F.cross_entropy(logits.float(), targets, reduction="none")) < 1e-6
+
+
+# ----------------------------------------------------------------------------------------------
+# The Triton CE kernel against the reference
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "k, with_prefix, grad_dtype, softcap, block_m, block_v",
+    [
+        (1, False, torch.float32, DEFAULT_SOFTCAP, 64, 512),
+        (2, True, torch.float32, DEFAULT_SOFTCAP, 16, 128),
+        (3, True, torch.bfloat16, DEFAULT_SOFTCAP, 64, 128),
+        (3, False, torch.float8_e5m2, DEFAULT_SOFTCAP, 32, 256),
+        (3, True, torch.float8_e5m2, DEFAULT_SOFTCAP, 64, 512),
+        (2, True, torch.float32, None, 64, 128),
+    ],
+)
+def test_kernel_matches_reference(k, with_prefix, grad_dtype, softcap, block_m, block_v):
+    logits, targets, prefix = make_batch(seed=k)
+    w = random_weights(k, seed=k)
+    prefix = prefix if with_prefix else None
+    scale = 1.0 / ce.GRAD_UNIT_SCALE if grad_dtype == torch.float8_e5m2 else 3.0
+    losses = torch.full((N,), float("nan"))
+    dlogits = torch.full((N, V_PAD), float("nan")).to(grad_dtype)
+    kw = dict(softcap=softcap, vocab_size=VOCAB, grad_out_scale=scale, grad_dtype=grad_dtype)
+    got_l, got_d = softcapped_ce_fwd_bwd(
+        logits, targets, w, prefix, 0.3, losses_out=losses, dlogits_out=dlogits, block_m=block_m,
+        block_v=block_v, **kw,
+    )
+    assert got_l is losses and got_d is dlogits
+    assert torch.isfinite(losses).all() and torch.isfinite(dlogits.float()).all()
+    ref_l, ref_d = softcapped_ce_fwd_bwd_reference(logits, targets, w, prefix, 0.3, **kw)
+    assert rel(losses, ref_l) < 1e-5
+    # The reference gradient comes from autograd through softcapped_multitoken_ce_reference.
+    ref_exact = softcapped_ce_fwd_bwd_reference(logits, targets, w, prefix, 0.3, **{**kw, "grad_dtype": torch.float32})[1]
+    if grad_dtype == torch.float32:
+        assert rel(dlogits, ref_exact) < 1e-5
+    elif grad_dtype == torch.bfloat16:
+        assert rel(dlogits, ref_exact) < 1e-2
+        assert (dlogits.float() != ref_d.float()).float().mean() < 1e-3  # same rounding of ~equal fp32
+    else:
+        # e5m2 has two mantissa bits: per element at most 2**-3 relative rounding error.
+        assert rel(dlogits, ref_exact) < 0.08
+        assert (dlogits.float() != ref_d.float()).float().mean() < 1e-3
+        assert (dlogits.float() != 0).float().mean() > 0.5  # the test data reaches the e5m2 range
+    assert (dlogits[:, VOCAB:].float() == 0).all()
+
+
+@needs_interpreter
+def test_kernel_block_m_one_and_a_slice_of_rows_with_following_targets():
+    logits, targets, prefix = make_batch()
+    w = [1.0, 0.5, 0.25]
+    full_l, full_d = softcapped_ce_fwd_bwd(logits, targets, w, prefix, 0.25, vocab_size=VOCAB, block_m=8)
+    # rows 40..47 alone, one row per program, with every following target still visible
+    part_l, part_d = softcapped_ce_fwd_bwd(
+        logits[40:48], targets[40:], w, prefix[40:48], 0.25, vocab_size=VOCAB, block_m=1, block_v=128
+    )
+    assert rel(part_l, full_l[40:48]) < 1e-6 and rel(part_d, full_d[40:48]) < 1e-6
+
+
+@needs_interpreter
+def test_kernel_weights_as_device_tensors_and_zero_weights():
+    logits, targets, prefix = make_batch()
+    w = torch.tensor([1.0, 0.5, 0.0])  # a ramp that reached 0
+    l0, d0 = softcapped_ce_fwd_bwd(logits, targets, w, prefix, torch.tensor([0.0]), vocab_size=VOCAB)
+    l1, d1 = softcapped_ce_fwd_bwd(logits, targets, w[:2], None, 0.0, vocab_size=VOCAB)
+    assert rel(l0, l1) < 1e-6 and rel(d0, d1) < 1e-6
+
+
+@needs_interpreter
+def test_kernel_turns_invalid_ids_into_nan_without_host_checks():
+    logits, targets, prefix = make_batch()
+    targets = targets.clone()
+    targets[10] = VOCAB  # a padded column: not a real token
+    prefix = prefix.clone()
+    prefix[20] = -7
+    losses, dlogits = softcapped_ce_fwd_bwd(
+        logits, targets, [1.0, 0.5], prefix, 0.25, vocab_size=VOCAB, check_targets=False
+    )
+    nan_rows = torch.isnan(losses).nonzero().flatten().tolist()
+    assert nan_rows == [9, 10, 20]  # row 9 predicts targets[10] as its second token
+    assert torch.isfinite(dlogits.float()).all()
+
+
+def test_target_ranges_checked_on_cpu():
+    logits, targets, prefix = make_batch()
+    bad = targets.clone()
+    bad[5] = VOCAB + 3
+    with pytest.raises(DataError, match="vocab_size=300"):
+        softcapped_ce_fwd_bwd(logits, bad, [1.0], vocab_size=VOCAB)
+    with pytest.raises(DataError, match="prefix_targets"):
+        softcapped_ce_fwd_bwd(logits, targets, [1.0], prefix - 5, 0.1, vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("fn", [softcapped_ce_fwd_bwd, softcapped_ce_fwd_bwd_reference])
+def test_kernel_entry_rejects_bad_inputs(fn):
+    logits, targets, prefix = make_batch()
+    with pytest.raises(ValueError, match="vocab_size=400"):
+        fn(logits, targets, vocab_size=400)
+    with pytest.raises(ValueError, match="stride"):
+        fn(logits.t().contiguous().t(), targets, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="int64 or int32"):
+        fn(logits, targets.float(), vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="contiguous"):
+        fn(logits, torch.stack([targets, targets], 1)[:, 0], vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="at least one entry per row"):
+        fn(logits, targets[:10], vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="one entry per row"):
+        fn(logits, targets, [1.0], prefix[:10], 0.1, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        fn(logits.to(torch.int32), targets)
+    with pytest.raises(ValueError, match="2-D"):
+        fn(logits[0], targets)
+
+
+def test_kernel_rejects_bad_tuning_and_outputs():
+    logits, targets, _ = make_batch()
+    with pytest.raises(ValueError, match="block_v"):
+        softcapped_ce_fwd_bwd(logits, targets, block_v=100)
+    with pytest.raises(ValueError, match="losses_out"):
+        softcapped_ce_fwd_bwd(logits, targets, losses_out=torch.empty(N, dtype=torch.float64))
+    with pytest.raises(ValueError, match="grad_dtype"):
+        softcapped_ce_fwd_bwd(logits, targets, grad_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="softcap"):
+        softcapped_ce_fwd_bwd(logits, targets, softcap=(0.0, 5.0, 7.5))
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole head (GEMMs + kernel) through autograd
+
+
+def make_head(seed=0, n=N):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, D, generator=g).to(torch.bfloat16)  # like norm(x): unit RMS
+    w = (torch.randn(D, V_PAD, generator=g) * 0.3).to(torch.bfloat16)
+    _, targets, prefix = make_batch(n=n, seed=seed)
+    row_grad = torch.rand(n, generator=g) + 0.5  # non-uniform grad_output: must be honoured
+    return x, w, targets, prefix, row_grad
+
+
+def run_head(fn, x, w, targets, prefix, row_grad, **kw):
+    xx = x.clone().requires_grad_(True)
+    ww = w.clone().requires_grad_(True)
+    losses = fn(xx, ww, targets, [1.0, 0.5, 0.25], prefix, 0.25, vocab_size=VOCAB, **kw)
+    (losses * row_grad).sum().backward()
+    return losses.detach(), xx.grad, ww.grad
+
+
+@needs_interpreter
+def test_fused_bf16_head_matches_reference_autograd():
+    args = make_head(seed=1)
+    got = run_head(fused_softcapped_ce, *args)
+    want = run_head(fused_softcapped_ce_reference, *args)
+    assert got[1].dtype == torch.bfloat16 and got[2].dtype == torch.bfloat16
+    assert rel(got[0], want[0]) < 1e-5  # same bf16 logits, fp32 softmax
+    assert rel(got[1], want[1]) < 2e-2  # dX through bf16 dlogits
+    assert rel(got[2], want[2]) < 2e-2  # dW through bf16 dlogits
+
+
+@needs_interpreter
+def test_fused_fp8_head_emulated_on_cpu():
+    args = make_head(seed=2)
+    x, w, targets, prefix, row_grad = args
+    got = run_head(fused_softcapped_ce, *args, use_fp8=True)
+    same_ops = run_head(fused_softcapped_ce, *args, use_fp8=True, ce_backend="reference")
+    exact_grad = run_head(fused_softcapped_ce_reference, *args, use_fp8=True)
+    bf16 = run_head(fused_softcapped_ce_reference, *args, use_fp8=False)
+    # Same GEMMs, Triton vs reference CE: only rare e5m2 rounding flips may differ.
+    for a, b in zip(got, same_ops):
+        assert rel(a, b) < 1e-3
+    # The forward is exactly quantise -> dequantise -> fp32 GEMM -> bf16.
+    assert rel(got[0], exact_grad[0]) < 1e-5
+    # Documented bound: e5m2 dlogits (2 mantissa bits) and e4m3 operands in the backward GEMMs
+    # keep dX and dW within 10% (Frobenius) of the exact gradient of the quantised forward.
+    assert rel(got[1], exact_grad[1]) < 0.1
+    assert rel(got[2], exact_grad[2]) < 0.1
+    # ...and the FP8 path really quantises: it differs from the bf16 head.
+    assert rel(got[0], bf16[0]) > 1e-4
+
+
+@needs_interpreter
+def test_fused_head_without_weight_grad():
+    x, w, targets, prefix, _ = make_head(seed=3)
+    xx = x.clone().requires_grad_(True)
+    losses = fused_softcapped_ce(xx, w, targets, [1.0], prefix, 0.25, vocab_size=VOCAB)
+    losses.sum().backward()
+    want_x = x.clone().requires_grad_(True)
+    fused_softcapped_ce_reference(want_x, w, targets, [1.0], prefix, 0.25, vocab_size=VOCAB).sum().backward()
+    assert rel(xx.grad, want_x.grad) < 2e-2
+
+
+@pytest.mark.parametrize("fn", [fused_softcapped_ce, fused_softcapped_ce_reference])
+def test_head_rejects_bad_inputs(fn):
+    x, w, targets, prefix, _ = make_head()
+    with pytest.raises(ValueError, match=r"\(D, V_pad\)"):
+        fn(x, w.t().contiguous(), targets)  # the (V, D) nn.Linear layout
+    with pytest.raises(ValueError, match="contiguous"):
+        fn(x, w.t().contiguous().t(), targets)
+    with pytest.raises(ValueError, match="share a dtype"):
+        fn(x.float(), w, targets)
+    with pytest.raises(ValueError, match="vocab_size=999"):
+        fn(x, w, targets, vocab_size=999)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        fn(x.to(torch.float64), w.to(torch.float64), targets)
+    with pytest.raises(ValueError, match="must be"):
+        fn(x[None], w, targets)
+
+
+def test_fused_rejects_unknown_backend():
+    x, w, targets, _, _ = make_head()
+    with pytest.raises(ValueError, match="ce_backend"):
+        fused_softcapped_ce(x, w, targets.clamp_min(0), ce_backend="cuda")
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation loss
+
+
+def test_eval_matches_plain_cross_entropy_in_chunks():
+    x, w, targets, _, _ = make_head(seed=4)
+    got = softcapped_ce_eval(x, w, targets, vocab_size=VOCAB, chunk_rows=7)
+    a, b, c = DEFAULT_SOFTCAP
+    s = a * torch.sigmoid(((x @ w).float() + b) / c)
+    want = F.cross_entropy(s[:, :VOCAB], targets, reduction="none", ignore_index=-1)
+    assert rel(got, want) < 1e-6
+    assert got[3] == 0 and got[17] == 0  # ignored positions
+    # It is the next-token term of the training loss.
+    train = softcapped_multitoken_ce_reference(x @ w, targets, [1.0], vocab_size=VOCAB)
+    assert rel(got, train) < 1e-6
+
+
+def test_eval_rejects_bad_targets():
+    x, w, targets, _, _ = make_head()
+    with pytest.raises(ValueError, match="targets must be"):
+        softcapped_ce_eval(x, w, targets[:5])
+    with pytest.raises(DataError):
+        softcapped_ce_eval(x, w, targets + VOCAB, vocab_size=VOCAB)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 helpers
+
+
+def test_quantize_tensorwise_saturates_and_rounds_like_a_cast():
+    x = torch.randn(4096) * 300
+    x[:4] = torch.tensor([1e6, -1e6, 448.0 * 0.5, 0.0])
+    q = quantize_tensorwise(x.to(torch.bfloat16), 0.5, torch.float8_e4m3fn)
+    assert q.dtype == torch.float8_e4m3fn
+    assert q[:4].float().tolist() == [448.0, -448.0, 448.0, 0.0]
+    want = (x.to(torch.bfloat16).float() / 0.5).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(q.float(), want.float())
+    g = quantize_tensorwise(torch.tensor([1e9, -1e9]), 1.0, torch.float8_e5m2)
+    assert g.float().tolist() == [57344.0, -57344.0]
+    with pytest.raises(ValueError, match="dtype"):
+        quantize_tensorwise(x, 1.0, torch.bfloat16)
+
+
+def test_scaled_mm_emulation_is_the_dequantised_product():
+    a = quantize_tensorwise(torch.randn(32, 48), 0.01, torch.float8_e4m3fn)
+    b = quantize_tensorwise(torch.randn(48, 16), 0.02, torch.float8_e5m2)
+    got = scaled_mm(a, b, 0.01, torch.tensor(0.02), torch.float32)
+    want = (a.float() * 0.01) @ (b.float() * 0.02)
+    assert rel(got, want) < 1e-6
+    assert scaled_mm(a, b, 0.01, 0.02, torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="inner"):
+        scaled_mm(a, a, 1.0, 1.0)
+    with pytest.raises(ValueError, match="e5m2 x e5m2"):
+        scaled_mm(b.t(), b, 1.0, 1.0)
+    with pytest.raises(ValueError, match="FP8"):
+        scaled_mm(a.float(), b, 1.0, 1.0)
+    assert fp8_supported("cpu") is False

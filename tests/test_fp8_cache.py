@@ -1,0 +1,199 @@
+"""The dual-layout FP8 quantise kernel (Triton, CPU interpreter) and the per-update FP8 weight cache.
+
+Kernel tests need ``TRITON_INTERPRET=1`` (set by .ci/run) or CUDA; without either the module
+falls back to the reference and comparing it with itself proves nothing, so they skip.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speedrun.kernels.fp8_cache import (
+    E4M3,
+    E5M2,
+    FP8_MAX,
+    FP8Weight,
+    FP8WeightCache,
+    StaleFP8CacheError,
+    interpreting,
+    quantize_current,
+    quantize_dual_layout,
+    quantize_dual_layout_reference,
+)
+
+needs_kernel = pytest.mark.skipif(
+    not (interpreting() or torch.cuda.is_available()), reason="needs TRITON_INTERPRET=1 or CUDA to run the Triton kernel"
+)
+DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def _poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), device=DEV).to(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+def test_dual_layout_bit_exact_with_saturation_and_subnormals(fp8_dtype):
+    g = torch.Generator().manual_seed(11)
+    # Wide dynamic range: some values saturate, some land in the FP8 subnormal range.
+    w = (torch.randn(64, 96, generator=g) * torch.logspace(-4, 1, 96)).bfloat16().to(DEV)
+    scale = torch.tensor(0.004 if fp8_dtype == E4M3 else 3e-5, device=DEV)
+    out, out_t = _poisoned((64, 96), fp8_dtype), _poisoned((96, 64), fp8_dtype)
+    q, qt, amax = quantize_dual_layout(w, scale, fp8_dtype=fp8_dtype, out=out, out_t=out_t)
+    rq, rqt, ramax = quantize_dual_layout_reference(w, scale, fp8_dtype=fp8_dtype)
+    assert (w.float() / scale).abs().max() > FP8_MAX[fp8_dtype]  # the test really saturates
+    assert torch.equal(_bits(q), _bits(rq))
+    assert torch.equal(_bits(qt), _bits(rqt))
+    assert torch.equal(amax, ramax)
+    assert torch.isfinite(q.float()).all() and torch.isfinite(qt.float()).all()
+
+
+@needs_kernel
+def test_transposed_layout_is_quantised_transpose():
+    g = torch.Generator().manual_seed(12)
+    w = (torch.randn(48, 128, generator=g) * 0.05).bfloat16().to(DEV)
+    scale = torch.tensor(0.2 / 448, device=DEV)
+    _, qt, _ = quantize_dual_layout(w, scale)
+    q_of_t, _, _ = quantize_dual_layout(w.t().contiguous(), scale)
+    assert torch.equal(_bits(qt), _bits(q_of_t))
+    assert qt.is_contiguous() and tuple(qt.shape) == (128, 48)
+
+
+@needs_kernel
+def test_batched_strided_per_matrix_scales():
+    g = torch.Generator().manual_seed(13)
+    bank = (torch.randn(3, 2, 32, 64, generator=g) * 0.03).bfloat16().to(DEV)
+    w = bank[:, 1]  # batch stride 2*32*64: the c_proj half of an MLP bank
+    scale = (torch.rand(3, generator=g) * 1e-4 + 5e-5).to(DEV)
+    amax0 = torch.zeros(3, device=DEV)
+    q, qt, amax = quantize_dual_layout(w, scale, amax=amax0, out=_poisoned((3, 32, 64), E4M3), out_t=_poisoned((3, 64, 32), E4M3))
+    rq, rqt, ramax = quantize_dual_layout_reference(w, scale)
+    assert torch.equal(_bits(q), _bits(rq)) and torch.equal(_bits(qt), _bits(rqt))
+    assert torch.equal(amax, w.float().abs().amax(dim=(1, 2)))
+    assert amax is amax0  # written in place
+
+
+@pytest.mark.parametrize(
+    "shape,dtype,match",
+    [((30, 64), torch.bfloat16, r"\(30, 64\)"), ((64, 40), torch.bfloat16, r"\(64, 40\)"),
+     ((64, 64), torch.int32, "int32"), ((4, 4, 4, 4), torch.bfloat16, r"\(4, 4, 4, 4\)")],
+)
+def test_unsupported_inputs_raise(shape, dtype, match):
+    w = torch.ones(shape, dtype=dtype)
+    with pytest.raises(ValueError, match=match):
+        quantize_dual_layout(w, torch.tensor(1.0))
+
+
+def test_bad_layout_and_scale_raise():
+    w = torch.randn(32, 64).bfloat16()
+    with pytest.raises(ValueError, match="row-major"):
+        quantize_dual_layout(w.t(), torch.tensor(1.0))
+    with pytest.raises(ValueError, match="scale"):
+        quantize_dual_layout(w, torch.ones(3))
+    with pytest.raises(ValueError, match="scale"):
+        quantize_dual_layout(w, 1.0)
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        quantize_dual_layout(w, torch.tensor(1.0), fp8_dtype=torch.bfloat16)
+
+
+def test_quantize_current_scale_and_roundtrip():
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(32, 64, generator=g).bfloat16().to(DEV)
+    q, qt, s = quantize_current(x)
+    assert torch.allclose(s, x.float().abs().max() / 448)
+    deq = q.float() * s
+    assert ((deq - x.float()).norm() / x.float().norm()).item() < 4e-2  # e4m3: 3 mantissa bits
+    assert torch.equal(_bits(qt), _bits(q.t().contiguous()))
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8WeightCache
+
+
+def _weights(seed=15):
+    g = torch.Generator().manual_seed(seed)
+    bank = torch.nn.Parameter((torch.randn(2, 2, 32, 64, generator=g) * 0.02).bfloat16())
+    return bank
+
+
+def test_cache_refresh_get_and_staleness():
+    bank = _weights()
+    cache = FP8WeightCache()
+    with pytest.raises(KeyError):
+        cache.get("w1")
+    cache.refresh({"w1": bank[:, 0], "w2": bank[:, 1]})
+    e = cache.get("w1")
+    assert e.version == cache.version == 1
+    assert tuple(e.data.shape) == (2, 32, 64) and tuple(e.data_t.shape) == (2, 64, 32)
+    assert ((e.data.float() * e.scale[:, None, None] - bank[:, 0].detach().float()).norm() / bank[:, 0].float().norm()) < 4e-2
+    cache.invalidate()
+    with pytest.raises(StaleFP8CacheError, match="refresh"):
+        cache.get("w1")
+    cache.refresh({"w1": bank[:, 0], "w2": bank[:, 1]})
+    cache.get("w1")
+    with torch.no_grad():
+        bank.add_(0.001)  # an in-place optimizer update bumps the version counter
+    with pytest.raises(StaleFP8CacheError, match="modified in place"):
+        cache.get("w2")
+    cache.refresh({"w1": bank[:, 0], "w2": bank[:, 1]})
+    assert cache.version == 3 and cache.get("w2").version == 3
+
+
+def test_cache_refresh_must_be_complete_and_shape_stable():
+    bank = _weights()
+    cache = FP8WeightCache()
+    cache.refresh({"w1": bank[:, 0], "w2": bank[:, 1]})
+    with pytest.raises(ValueError, match="missing"):
+        cache.refresh({"w1": bank[:, 0]})
+    with pytest.raises(ValueError, match="changed shape"):
+        cache.refresh({"w1": bank[:1, 0], "w2": bank[:, 1]})
+    with pytest.raises(ValueError, match="unknown"):
+        cache.refresh({"w1": bank[:, 0], "w2": bank[:, 1]}, multipliers={"w3": 2.0})
+
+
+def test_cache_bootstrap_then_delayed_scaling():
+    bank = _weights()
+    cache = FP8WeightCache(bootstrap_refreshes=1, headroom=1.12)
+    w = bank[:, 0]
+    cache.refresh({"w": w})
+    amax0 = w.detach().float().abs().amax(dim=(1, 2))
+    assert torch.allclose(cache.get("w").scale, amax0 / 448)  # bootstrap: current amax
+    with torch.no_grad():
+        bank.mul_(1.5)  # grows beyond the headroom -> the delayed scale saturates
+    cache.refresh({"w": w})
+    assert torch.allclose(cache.get("w").scale, amax0 * 1.12 / 448)  # delayed: previous amax x headroom
+    assert cache.saturated("w").all()
+    e = cache.get("w")
+    assert e.data.float().abs().max() == 448  # clipped, never inf/NaN
+    cache.refresh({"w": w})  # the amax measured last refresh catches up
+    assert torch.allclose(cache.get("w").scale, amax0 * 1.5 * 1.12 / 448, rtol=1e-2)
+    assert not cache.saturated("w").any()
+
+
+def test_cache_multiplier_folded_into_scale():
+    bank = _weights()
+    lam = torch.tensor([0.5, -2.0])
+    plain, folded = FP8WeightCache(), FP8WeightCache()
+    plain.refresh({"w": bank[:, 0]})
+    folded.refresh({"w": bank[:, 0]}, multipliers={"w": lam})
+    a, b = plain.get("w"), folded.get("w")
+    assert torch.equal(_bits(a.data), _bits(b.data))  # same payload
+    assert torch.allclose(b.scale, a.scale * lam)
+
+
+def test_fp8weight_views():
+    bank = _weights()
+    cache = FP8WeightCache()
+    cache.refresh({"w": bank[:, 1]})
+    e = cache.get("w")
+    t = e.t()
+    assert t.data is e.data_t and t.data_t is e.data
+    one = e[1]
+    assert tuple(one.data.shape) == (32, 64) and one.scale.dim() == 0
+    with pytest.raises(ValueError, match="batched"):
+        FP8Weight(e.data[0], e.data_t[0], e.scale[0])[0]

@@ -1,0 +1,226 @@
+"""The fused ReLU² GEMM kernels (Triton, CPU interpreter) and the relu2_mlp autograd function.
+
+Shapes are small (T=64, D=64, H=256) so the interpreter stays fast.  Kernel tests need
+``TRITON_INTERPRET=1`` (set by .ci/run) or CUDA; without either the code falls back to its
+references and the kernel comparisons would be vacuous, so they skip.
+
+Documented error bounds (relative Frobenius error vs the fp32-math reference):
+  bf16 kernels and the bf16 MLP: < 1e-2.
+  fp8_fwd: output < 8e-2 (x, w1, w2, post each e4m3: ~2-3% rms each), gradients < 8e-2 (bf16
+           backward of a post that carries the forward's FP8 error).
+  fp8_full: output < 8e-2, gradients < 0.12: g and dpre are e5m2 (2 mantissa bits, ~4-5% rms
+           rounding each), and dx/dW1 multiply two such factors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speedrun.kernels.fp8_cache import E4M3, E5M2, FP8WeightCache, interpreting, quantize_current
+from speedrun.kernels.mlp import (
+    MLPScaleState,
+    relu2_gemm,
+    relu2_gemm_reference,
+    relu2_mlp,
+    relu2_mlp_reference,
+)
+
+needs_kernel = pytest.mark.skipif(
+    not (interpreting() or torch.cuda.is_available()), reason="needs TRITON_INTERPRET=1 or CUDA to run the Triton kernels"
+)
+DEV = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+T, D, H = 64, 64, 256
+
+
+def rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def nan_like(shape, dtype):
+    return torch.full(shape, float("nan"), device=DEV).to(dtype)
+
+
+def inputs(seed, t=T, d=D, h=H):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, d, generator=g).bfloat16().to(DEV)
+    w1 = (torch.randn(h, d, generator=g) / d**0.5).bfloat16().to(DEV)
+    w2 = (torch.randn(d, h, generator=g) / h**0.5).bfloat16().to(DEV)
+    gy = torch.randn(t, d, generator=g).bfloat16().to(DEV)
+    return x, w1, w2, gy
+
+
+@needs_kernel
+@pytest.mark.parametrize("t,d", [(64, 64), (40, 48)])  # (40, 48): ragged M tile and K not a multiple of BLOCK_K
+def test_gemm_forward_bf16(t, d):
+    x, w1, _, _ = inputs(1, t, d)
+    r = relu2_gemm(x, w1, out=nan_like((t, H), torch.bfloat16))
+    ref = relu2_gemm_reference(x, w1)
+    assert rel(r.out, ref.out) < 1e-2
+    assert r.q is None and r.qt is None
+
+
+@needs_kernel
+def test_gemm_forward_fp8_emits_both_layouts_and_amax():
+    x, w1, _, _ = inputs(2)
+    xq, _, xs = quantize_current(x, transposed=False)
+    wq, _, ws = quantize_current(w1, transposed=False)
+    post_ref = relu2_gemm_reference(xq, wq, a_scale=xs, b_scale=ws).out
+    qs = post_ref.float().amax() * 0.7 / 448  # scale below the amax: the top values saturate
+    kw = dict(a_scale=xs, b_scale=ws, q_dtype=E4M3, q_scale=qs, emit_transposed=True)
+    r = relu2_gemm(
+        xq, wq, out=nan_like((T, H), torch.bfloat16), out_q=nan_like((T, H), E4M3), out_qt=nan_like((H, T), E4M3),
+        amax=torch.zeros((), device=DEV), **kw,
+    )
+    rr = relu2_gemm_reference(xq, wq, amax=torch.zeros((), device=DEV), **kw)
+    assert rel(r.out, rr.out) < 1e-2
+    assert rel(r.q, rr.q) < 2e-2  # fp32 sums in another order: a rare tie rounds the other way
+    assert torch.equal(r.qt.view(torch.uint8), r.q.t().contiguous().view(torch.uint8))
+    assert r.q.float().max() == 448  # saturated, finite
+    assert torch.isclose(r.amax, post_ref.float().amax(), rtol=1e-2)
+
+
+@needs_kernel
+def test_gemm_backward_bf16_rebuilds_relu_from_post():
+    x, w1, w2, gy = inputs(3)
+    post = relu2_gemm_reference(x, w1).out
+    r = relu2_gemm(gy, w2.t(), aux=post, out=nan_like((T, H), torch.bfloat16))
+    ref = relu2_gemm_reference(gy, w2.t(), aux=post)
+    assert rel(r.out, ref.out) < 1e-2
+    # The math: dpre = (g @ w2) * 2 relu(pre), relu(pre) = sqrt(post).
+    pre = x.float() @ w1.float().t()
+    assert rel(r.out, (gy.float() @ w2.float()) * 2 * torch.relu(pre)) < 2e-2
+
+
+@needs_kernel
+def test_gemm_backward_fp8_e5m2_both_layouts():
+    x, w1, w2, gy = inputs(4)
+    post = relu2_gemm_reference(x, w1).out
+    pq, _, ps = quantize_current(post, transposed=False)
+    gq, _, gs = quantize_current(gy, fp8_dtype=E5M2, transposed=False)
+    w2q, w2qt, w2s = quantize_current(w2)
+    dref = relu2_gemm_reference(gy, w2.t(), aux=post).out
+    ds = dref.float().abs().amax() * 2 / 57344
+    kw = dict(aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, q_dtype=E5M2, q_scale=ds, emit_transposed=True)
+    r = relu2_gemm(gq, w2qt, store_out=False, out_q=nan_like((T, H), E5M2), out_qt=nan_like((H, T), E5M2), **kw)
+    rr = relu2_gemm_reference(gq, w2qt, store_out=False, **kw)
+    assert r.out is None
+    assert rel(r.q, rr.q) < 3e-2
+    assert torch.equal(r.qt.view(torch.uint8), r.q.t().contiguous().view(torch.uint8))
+    assert rel(r.q.float() * ds, dref) < 0.12
+
+
+def test_gemm_rejects_bad_shapes_and_dtypes():
+    a = torch.randn(64, 40).bfloat16()
+    with pytest.raises(ValueError, match=r"\(64, 40\)"):
+        relu2_gemm(a, torch.randn(64, 40).bfloat16())
+    with pytest.raises(ValueError, match="both be FP8"):
+        relu2_gemm(torch.randn(64, 64).to(E4M3), torch.randn(64, 64).bfloat16())
+    with pytest.raises(ValueError, match="a_scale"):
+        relu2_gemm(torch.randn(64, 64).to(E4M3), torch.randn(64, 64).to(E4M3))
+    with pytest.raises(ValueError, match="emit_transposed"):
+        relu2_gemm(torch.randn(64, 64).bfloat16(), torch.randn(64, 64).bfloat16(), emit_transposed=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# relu2_mlp
+
+
+def _run(mode, x, w1, w2, gy, cache=None, calls=2):
+    state = MLPScaleState.create(DEV)
+    xk, w1k, w2k = (t.clone().requires_grad_() for t in (x, w1, w2))
+    for _ in range(calls):  # later calls use the delayed scales measured by the earlier ones
+        xk.grad = w1k.grad = w2k.grad = None
+        y = relu2_mlp(xk, w1k, w2k, mode=mode, cache=cache, scales=state)
+        y.backward(gy)
+    return y.detach(), xk.grad, w1k.grad, w2k.grad, state
+
+
+def _reference(x, w1, w2, gy):
+    xr, w1r, w2r = (t.clone().requires_grad_() for t in (x, w1, w2))
+    y = relu2_mlp_reference(xr, w1r, w2r)
+    y.backward(gy)
+    return y.detach(), xr.grad, w1r.grad, w2r.grad
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode,bound_y,bound_g", [("bf16", 1e-2, 1e-2), ("fp8_fwd", 8e-2, 8e-2), ("fp8_full", 8e-2, 0.12)])
+def test_mlp_forward_backward_vs_reference(mode, bound_y, bound_g):
+    x, w1, w2, gy = inputs(5)
+    ref = _reference(x, w1, w2, gy)
+    y, dx, dw1, dw2, state = _run(mode, x, w1, w2, gy)
+    assert rel(y, ref[0]) < bound_y
+    for got, want in zip((dx, dw1, dw2), ref[1:]):
+        assert got.dtype == torch.bfloat16
+        assert rel(got, want) < bound_g
+    if mode != "bf16":
+        # The delayed post scale tracks this call's amax of relu(x w1^T)^2.
+        post_amax = (torch.relu(x.float() @ w1.float().t()) ** 2).amax()
+        assert state.post_ready and torch.isclose(state.post_amax, post_amax, rtol=0.1)
+    if mode == "fp8_full":
+        assert state.dpre_ready and state.dpre_amax > 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["bf16", "fp8_full"])
+def test_mlp_never_saves_the_pre_activation(mode):
+    t = 32  # T != D, so (T, H) shapes cannot be confused with a weight's (D, H)
+    x, w1, w2, _ = inputs(6, t=t)
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    xk = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        relu2_mlp(xk, w1, w2, mode=mode)
+    hidden = [dt for shape, dt in saved if shape in ((t, H), (H, t))]
+    if mode == "bf16":
+        assert hidden == [torch.bfloat16]  # post only
+    else:
+        assert hidden == [E4M3, E4M3]  # post in two FP8 layouts, nothing in 16 bits
+    if mode == "fp8_full":  # x is kept only as its transposed e4m3 copy
+        assert [dt for shape, dt in saved if shape in ((t, D), (D, t))] == [E4M3]
+
+
+@needs_kernel
+def test_mlp_with_weight_cache_matches_on_the_fly_quantisation():
+    x, w1, w2, gy = inputs(7)
+    bank = torch.stack([w1, w2.t().contiguous()])  # W2 stored (H, D) like the record's bank
+    cache = FP8WeightCache()
+    cache.refresh({"mlp": bank})
+    c = cache.get("mlp")
+    pair = (c[0], c[1].t())  # (H, D) and, transposed for free, (D, H)
+    a = _run("fp8_full", x, w1, w2, gy, cache=pair, calls=1)
+    b = _run("fp8_full", x, w1, w2, gy, cache=None, calls=1)
+    for u, v in zip(a[:4], b[:4]):
+        assert torch.equal(u, v)  # bootstrap refresh = current scaling = the no-cache path
+
+
+def test_mlp_rejects_unsupported_inputs():
+    x, w1, w2, _ = inputs(8)
+    with pytest.raises(ValueError, match=r"\(64, 40\)"):
+        relu2_mlp(torch.randn(64, 40).bfloat16(), torch.randn(256, 40).bfloat16(), torch.randn(40, 256).bfloat16())
+    with pytest.raises(ValueError, match=r"\(40, 64\)"):
+        relu2_mlp(x[:40], w1, w2, mode="fp8_full")
+    with pytest.raises(ValueError, match="float32"):
+        relu2_mlp(x.float(), w1, w2)
+    with pytest.raises(ValueError, match="mode"):
+        relu2_mlp(x, w1, w2, mode="fp4")
+    with pytest.raises(ValueError, match="w2"):
+        relu2_mlp(x, w1, w2.t())
+    cache = FP8WeightCache()
+    cache.refresh({"w1": w1, "w2": w2})
+    with pytest.raises(ValueError, match="bf16"):
+        relu2_mlp(x, w1, w2, mode="bf16", cache=(cache.get("w1"), cache.get("w2")))
+    with pytest.raises(ValueError, match="cache layouts"):
+        relu2_mlp(x, w1, w2, mode="fp8_fwd", cache=(cache.get("w1"), cache.get("w2").t()))
+
+
+def test_mlp_reference_matches_autograd_definition():
+    x, w1, w2, _ = inputs(9)
+    y = relu2_mlp_reference(x, w1, w2)
+    want = (torch.relu(x.double() @ w1.double().t()) ** 2) @ w2.double().t()
+    assert y.dtype == torch.bfloat16 and rel(y, want) < 1e-2
