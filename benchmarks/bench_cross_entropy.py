@@ -91,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         out_l = torch.empty(n, device=dev)
         out_d = torch.empty(n, v, device=dev, dtype=torch.float8_e5m2)
-        for block_m in (1, 2, 4):
-            for block_v in (1024, 2048, 4096, 8192):
-                for warps in (4, 8, 16):
-                    if block_m * block_v > 16384:
+        for block_m in (1, 2):
+            for block_v in (512, 1024, 2048, 4096):
+                for warps in (2, 4, 8):
+                    if block_v // (32 * warps) < 2:
                         continue
                     fn = lambda: softcapped_ce_fwd_bwd(  # noqa: E731
                         logits, targets, mtp, prefix, pw, vocab_size=vocab, grad_out_scale=1 / GRAD_UNIT_SCALE,
@@ -125,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         record("fp8_gemm_fwd", bench(lambda: scaled_mm(x8, w8c, X_SCALE, W_SCALE, torch.bfloat16, True)), flops=gemm_flops / 3)
         record("fp8_gemm_dx", bench(lambda: scaled_mm(g8, w8.t(), GRAD_UNIT_SCALE, W_SCALE, torch.bfloat16)), flops=gemm_flops / 3)
         record("fp8_gemm_dw", bench(lambda: scaled_mm(x8t, g8c, X_SCALE, GRAD_UNIT_SCALE, torch.bfloat16)), flops=gemm_flops / 3)
-        record("transpose_dlogits_e5m2", bench(lambda: g8.t().contiguous()), bytes_moved=2 * n * v)
+        from speedrun.kernels.cross_entropy import transpose_fp8
+
+        record("transpose_dlogits_e5m2_torch", bench(lambda: g8.t().contiguous()), bytes_moved=2 * n * v)
+        record("transpose_dlogits_e5m2_triton", bench(lambda: transpose_fp8(g8)), bytes_moved=2 * n * v)
         del g8, g8c
 
     # --- the whole head, forward + backward

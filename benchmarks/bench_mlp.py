@@ -84,6 +84,7 @@ def main(argv=None) -> int:
         "shape": {"T": T, "D": D, "H": H},
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "gemm_configs": {k: list(v) for k, v in M.GPU_CONFIGS.items()},
+        "tma_configs": {k: list(v) for k, v in M.TMA_CONFIGS.items()} if M.USE_TMA else None,
     }
     res["ceilings"] = ceilings(dev)
     copy_tbps = res["ceilings"]["copy_tbps"]
@@ -141,6 +142,16 @@ def main(argv=None) -> int:
                  lambda: M.relu2_gemm(gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, store_out=False, q_dtype=E5M2, q_scale=ds, amax=amax), gemm_flop)
     t_dp_qt = rec("fp8", "dpre fp8: e5m2 dpre both layouts (fp8_full)",
                   lambda: M.relu2_gemm(gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, store_out=False, q_dtype=E5M2, q_scale=ds, emit_transposed=True, amax=amax), gemm_flop)
+    t_dp_bf16q = rec("fp8", "dpre fp8: bf16 dpre + e5m2 row-major (bf16-wgrad variant)",
+                     lambda: M.relu2_gemm(gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, q_dtype=E5M2, q_scale=ds, amax=amax), gemm_flop)
+    if M.USE_TMA:  # the same two fused kernels on the pointer path, for comparison
+        M.USE_TMA = False
+        rec("fp8", "up fp8: e4m3 both layouts, pointer kernel",
+            lambda: M.relu2_gemm(xq, w1q, a_scale=xs, b_scale=w1s, store_out=False, q_dtype=E4M3, q_scale=ps, emit_transposed=True, amax=amax), gemm_flop)
+        rec("fp8", "dpre fp8: e5m2 both layouts, pointer kernel",
+            lambda: M.relu2_gemm(gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, store_out=False, q_dtype=E5M2, q_scale=ds, emit_transposed=True, amax=amax), gemm_flop)
+        rec("bf16", "up: triton relu2 fwd, pointer kernel", lambda: M.relu2_gemm(x, w1), gemm_flop)
+        M.USE_TMA = True
     fp8_w = {}
     for fast in (False, True):
         sfx = " (fast accum)" if fast else ""
@@ -149,22 +160,27 @@ def main(argv=None) -> int:
         rec("fp8", "dx: scaled_mm dpre@w1" + sfx, lambda: M.scaled_mm(dq, w1qt.t(), ds, w1s, use_fast_accum=fast), gemm_flop)
     t_x_both = [r_["ms"] for r_ in rows if r_["name"].startswith("quantize x e4m3 both")][0]
     t_x_row = [r_["ms"] for r_ in rows if r_["name"].startswith("quantize x e4m3 row-major")][0]
+    t_up_bf16q = [r_["ms"] for r_ in rows if r_["name"].startswith("up fp8: bf16 post + e4m3")][0]
+    # Each weight-gradient GEMM compared as the two routes it implies:
+    #   FP8:  fp8 GEMM + the extra cost of emitting the transposed FP8 operand(s) in the producer;
+    #   bf16: bf16 GEMM + the extra cost of the producer also writing the bf16 operand.
     verdict = {
         "dW2": {
-            "bf16_ms": t_dw2_bf16,
-            "fp8_ms": fp8_w[("dW2", False)],
-            "extra_transpose_ms": (t_up_qt - t_up_q),
-            "note": "g^T comes from the e5m2 quantise that dx/dpre need anyway (both layouts in one kernel)",
+            "fp8_route_ms": fp8_w[("dW2", False)] + (t_up_qt - t_up_q),
+            "bf16_route_ms": t_dw2_bf16 + (t_up_bf16q - t_up_q),
+            "parts": {"fp8_gemm": fp8_w[("dW2", False)], "post_T_emit": t_up_qt - t_up_q,
+                      "bf16_gemm": t_dw2_bf16, "post_bf16_emit": t_up_bf16q - t_up_q},
+            "note": "g^T comes from the e5m2 quantise that dpre needs anyway (both layouts, one kernel)",
         },
         "dW1": {
-            "bf16_ms": t_dw1_bf16,
-            "fp8_ms": fp8_w[("dW1", False)],
-            "extra_transpose_ms": (t_dp_qt - t_dp_q) + (t_x_both - t_x_row),
+            "fp8_route_ms": fp8_w[("dW1", False)] + (t_dp_qt - t_dp_q) + max(0.0, t_x_both - t_x_row),
+            "bf16_route_ms": t_dw1_bf16 + (t_dp_bf16q - t_dp_q),
+            "parts": {"fp8_gemm": fp8_w[("dW1", False)], "dpre_T_emit": t_dp_qt - t_dp_q,
+                      "x_T_emit": t_x_both - t_x_row, "bf16_gemm": t_dw1_bf16, "dpre_bf16_emit": t_dp_bf16q - t_dp_q},
         },
     }
     for k, v in verdict.items():
-        v["fp8_total_ms"] = v["fp8_ms"] + v["extra_transpose_ms"]
-        v["fp8_wins"] = v["fp8_total_ms"] < v["bf16_ms"]
+        v["fp8_wins"] = v["fp8_route_ms"] < v["bf16_route_ms"]
     res["wgrad_verdict"] = verdict
 
     # ---- whole MLP forward + backward
@@ -211,26 +227,37 @@ def main(argv=None) -> int:
     # ---- optional block-config sweep for the Triton GEMM
     if args.sweep:
         sweep = []
-        cands = [(128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 3),
-                 (128, 128, 128, 8, 8, 4), (128, 256, 128, 8, 8, 3), (64, 256, 128, 8, 4, 4), (128, 64, 128, 8, 4, 4)]
-        saved = dict(M.GPU_CONFIGS)
-        for kind, fn in (
-            ("bf16", lambda: M.relu2_gemm(x, w1)),
-            ("bf16", lambda: M.relu2_gemm(g, w2.t(), aux=post)),
-            ("fp8", lambda: M.relu2_gemm(xq, w1q, a_scale=xs, b_scale=w1s, store_out=False, q_dtype=E4M3, q_scale=ps, emit_transposed=True, amax=amax)),
-            ("fp8", lambda: M.relu2_gemm(gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, store_out=False, q_dtype=E5M2, q_scale=ds, emit_transposed=True, amax=amax)),
-        ):
-            for c in cands:
-                if kind == "bf16" and c[2] == 128 and c[1] == 256:
+        cands = [(128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 4),
+                 (128, 256, 128, 8, 8, 3), (128, 256, 128, 8, 8, 4), (128, 128, 128, 8, 4, 4)]
+        kernels = (
+            ("bf16", "up", lambda: M.relu2_gemm(x, w1)),
+            ("bf16", "dpre (pointer only: w2.t() is not K-major)", lambda: M.relu2_gemm(g, w2.t(), aux=post)),
+            ("fp8", "up q+qt", lambda: M.relu2_gemm(xq, w1q, a_scale=xs, b_scale=w1s, store_out=False, q_dtype=E4M3, q_scale=ps, emit_transposed=True, amax=amax)),
+            ("fp8", "dpre q+qt", lambda: M.relu2_gemm(gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, store_out=False, q_dtype=E5M2, q_scale=ds, emit_transposed=True, amax=amax)),
+        )
+        saved = (dict(M.GPU_CONFIGS), dict(M.TMA_CONFIGS), M.USE_TMA, M.TMA_FLATTEN)
+        for kind, what, fn in kernels:
+            for use_tma, flatten in ((False, True), (True, True), (True, False)):
+                if use_tma and what.startswith("dpre (pointer"):
                     continue
-                M.GPU_CONFIGS[kind] = c
-                try:
-                    ms = _bench(fn, rep_ms=100)
-                    sweep.append({"kind": kind, "config": list(c), "ms": ms, "tflops": _tflops(gemm_flop, ms)})
-                except Exception as e:  # out of shared memory etc.
-                    sweep.append({"kind": kind, "config": list(c), "error": type(e).__name__})
-                M.GPU_CONFIGS.update(saved)
-            sweep.append({"kind": "---"})
+                for c in cands:
+                    if kind == "bf16" and c[2] == 128 and c[1] == 256:
+                        continue
+                    M.USE_TMA, M.TMA_FLATTEN = use_tma, flatten
+                    if use_tma:
+                        M.TMA_CONFIGS[kind] = c
+                        M.TMA_CONFIGS.pop(kind + "_fwd", None)
+                    else:
+                        M.GPU_CONFIGS[kind] = c
+                    try:
+                        ms = _bench(fn, rep_ms=100)
+                        sweep.append({"kernel": f"{kind} {what}", "tma": use_tma, "flatten": flatten, "config": list(c), "ms": ms, "tflops": _tflops(gemm_flop, ms)})
+                    except Exception as e:  # out of shared memory etc.
+                        sweep.append({"kernel": f"{kind} {what}", "tma": use_tma, "flatten": flatten, "config": list(c), "error": type(e).__name__})
+                    M.GPU_CONFIGS.update(saved[0])
+                    M.TMA_CONFIGS.clear()
+                    M.TMA_CONFIGS.update(saved[1])
+                    M.USE_TMA, M.TMA_FLATTEN = saved[2], saved[3]
         import speedrun.kernels.fp8_cache as FC
 
         saved_q = FC.QUANT_CONFIG
@@ -256,8 +283,9 @@ def main(argv=None) -> int:
         fc = f"{100 * r_['frac_of_copy']:.0f}" if "frac_of_copy" in r_ else ""
         print(f"{r_['group']:6} {r_['name'][:58]:58} {r_['ms']:8.3f} {tf:>8} {tb:>6} {fc:>6}")
     for k, v in verdict.items():
-        print(f"{k}: bf16 {v['bf16_ms']:.3f} ms vs fp8 {v['fp8_ms']:.3f} + transposes {v['extra_transpose_ms']:.3f} = "
-              f"{v['fp8_total_ms']:.3f} ms -> {'FP8' if v['fp8_wins'] else 'keep bf16'}")
+        parts = ", ".join(f"{n} {t:.3f}" for n, t in v["parts"].items())
+        print(f"{k}: FP8 route {v['fp8_route_ms']:.3f} ms vs bf16 route {v['bf16_route_ms']:.3f} ms "
+              f"-> {'FP8' if v['fp8_wins'] else 'keep bf16'}   ({parts})")
     if args.sweep:
         for s_ in res["sweep"]:
             print(s_)

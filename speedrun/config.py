@@ -131,9 +131,18 @@ class TrainConfig:
     steps: int = 250
     batch_tokens: int = 4096
     max_seq_len: int = 256
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-batches per step on each rank; 0 = 8 // world_size (the record's rule)
     window: int = 0  # sliding attention window in tokens for the core model; 0 = whole document
-    optimizer: str = "adam"
+    max_docs: int = 0  # cu_seqlens entries per micro-batch; 0 = the loader's default for the shape
+    # "trapezoid": AdamW + warmup/flat/cooldown over `stages`; "record": the record's staged schedule
+    # (RecordSchedule) with NorMuon + Adam, `steps` = scheduled + `num_extension`.
+    schedule: str = "trapezoid"
+    num_extension: int = 15
+    window_block: int = 128  # record schedule: windows are multiples of this many tokens
+    batch_divisor: int = 1  # record schedule: divide every stage's batch (shrunken runs)
+    seq_divisor: int = 1  # record schedule: divide every stage's sequence cap
+    optimizer: str = "adam"  # "adam" (trapezoid schedule) or "normuon" (record schedule)
+    muon_lr: float = 0.023
     lr: float = 3e-3
     embed_lr: float = 3e-3
     weight_decay: float = 0.0

@@ -14,6 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run in Triton's interpreter (must be set before any kernel module
+# is imported, since @triton.jit reads it at decoration time).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _env_dir(name: str) -> Path | None:
     value = os.environ.get(name)

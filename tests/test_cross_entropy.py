@@ -372,3 +372,21 @@ def test_scaled_mm_emulation_is_the_dequantised_product():
     with pytest.raises(ValueError, match="FP8"):
         scaled_mm(a.float(), b, 1.0, 1.0)
     assert fp8_supported("cpu") is False
+
+
+@needs_interpreter
+def test_transpose_fp8_matches_torch():
+    from speedrun.kernels.cross_entropy import transpose_fp8
+
+    x = torch.randn(70, 200).to(torch.float8_e5m2)  # ragged against the 64 x 128 tiles
+    got = transpose_fp8(x)
+    assert got.shape == (200, 70) and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), x.t().contiguous().view(torch.uint8))
+    with pytest.raises(ValueError, match="1-byte"):
+        transpose_fp8(x.float())
+
+
+def test_kernel_rejects_softcap_beyond_fixed_offset():
+    logits, targets, _ = make_batch()
+    with pytest.raises(ValueError, match="A <= 64"):
+        softcapped_ce_fwd_bwd(logits, targets, softcap=(80.0, 5.0, 7.5))

@@ -197,3 +197,20 @@ def test_fp8weight_views():
     assert tuple(one.data.shape) == (32, 64) and one.scale.dim() == 0
     with pytest.raises(ValueError, match="batched"):
         FP8Weight(e.data[0], e.data_t[0], e.scale[0])[0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+def test_every_fp8_code_and_every_tie_rounds_like_torch(fp8_dtype):
+    codes = torch.arange(256, dtype=torch.uint8).view(fp8_dtype).float()
+    codes = codes[torch.isfinite(codes)]
+    ordered = codes.unique()  # sorted, -0 merged into 0
+    ties = (ordered[1:] + ordered[:-1]) / 2  # halfway points: round-to-nearest-even decides
+    vals = torch.cat([codes, ties, -torch.zeros(1)])
+    n = -(-vals.numel() // 1024) * 1024  # (16k, 64)
+    w = torch.cat([vals, torch.randn(n - vals.numel()) * 10]).bfloat16().reshape(-1, 64).to(DEV)
+    assert torch.equal(w.float().flatten()[: vals.numel()].cpu(), vals)  # bf16 holds them exactly
+    one = torch.tensor(1.0, device=DEV)
+    q, qt, _ = quantize_dual_layout(w, one, fp8_dtype=fp8_dtype)
+    rq, rqt, _ = quantize_dual_layout_reference(w, one, fp8_dtype=fp8_dtype)
+    assert torch.equal(_bits(q), _bits(rq)) and torch.equal(_bits(qt), _bits(rqt))

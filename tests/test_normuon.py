@@ -179,7 +179,6 @@ def test_adam_waits_for_odd_steps_and_sums_two_gradients():
     assert torch.equal(params["scalars"].data, start["scalars"])  # step 0: no Adam
     assert params["scalars"].grad is not None and params["bank"].grad is None
     assert not torch.equal(params["bank"].data, start["bank"])
-    run_steps_from = [g1]
     for k, p in params.items():
         p.grad = p.grad + g1[k] if p.grad is not None else g1[k].clone()
     opt.step(1, lr_mult=0.8, muon_momentum=0.9)
@@ -190,7 +189,6 @@ def test_adam_waits_for_odd_steps_and_sums_two_gradients():
     assert all(p.grad is None for p in params.values())
     # Tied: embed follows lm_head, and lm_head saw embed's gradient too.
     assert torch.equal(params["embed"].data, params["lm_head"].data.T)
-    del run_steps_from
 
 
 def test_untie_copies_transposed_state_and_frees_embed():

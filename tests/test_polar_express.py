@@ -90,8 +90,10 @@ def test_polar_express_orthogonalises(shape):
     G = torch.randn(shape) * 1e3
     X = pe.polar_express(G)  # CPU: torch path
     assert X.shape == G.shape and X.dtype == torch.bfloat16
-    lo, hi = pe._spectral_bounds(X.reshape(-1, *shape[-2:]))
-    assert 0.7 < lo and hi < 1.25
+    s = torch.linalg.svdvals(X.float())
+    assert s.max() < 1.25 and 0.8 < s.median() < 1.2
+    if shape[-1] != shape[-2]:  # square Gaussians have near-zero singular values 5 steps can't lift
+        assert s.min() > 0.7
     # Same singular vectors as G: X is close to the exact polar factor U V^T.
     U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
     assert rel(X, U @ Vh) < 0.2

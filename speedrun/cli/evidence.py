@@ -102,7 +102,152 @@ def _doctor(args) -> int:
     return rep.exit_code()
 
 
-_COMMANDS = (_add_stats, _add_doctor)
+_ARM_HELP = ("an arm: NAME=PRESET[:SECTION.FIELD=VALUE,...], e.g. base=tiny or "
+             "cand=tiny:model.qk_head_dim=16,train.lr=1e-3 (repeatable; the first arm is the baseline)")
+
+_BENCH_EPILOG = """\
+Each arm is a preset plus overrides, built once (model, optimizer, loader at the chosen stage's
+shapes) exactly as 'speedrun train' builds it.  Every arm is warmed up first (compilation is
+untimed), then the arms are timed interleaved (A B A B ...), one optimizer step at a time
+(all grad_accum micro-batches, gradient all-reduce and update), with CUDA events from an idle GPU
+(perf_counter on the CPU).  Printed per arm: median and IQR (ms), tokens/s, and the ratio of its
+median to the first arm's with a paired bootstrap 95% CI.  Under torchrun a step's time is the
+maximum over ranks.
+
+arm syntax: NAME=PRESET[:SECTION.FIELD=VALUE,SECTION.FIELD=VALUE,...]  (a bare PRESET names the
+arm after the preset; --set applies to every arm before the arm's own overrides)
+
+examples:
+  speedrun bench step --arm base=tiny --arm cand=tiny:model.qk_head_dim=16,train.lr=1e-3
+  speedrun bench step --arm base=small --arm nocomp=small:train.compile=false \\
+      --data 'data/fineweb10B/fineweb_train_*.bin' --stage 0 --steps 30 --json bench.json
+  torchrun --standalone --nproc_per_node=8 -m speedrun bench step --arm a=small --arm b=small:... --data ...
+"""
+
+_COMPARE_EPILOG = """\
+Runs full trainings of every arm for every seed, interleaved (seed s0: A B, seed s1: A B, ...;
+the same seeds for every arm), and writes a records folder: manifest.json (the plan and each
+run's status), runs/<arm>-seed<S>-try<K>/ (each run folder with its log), README.md with the
+speedrun's tables (n, steps, mean/std loss, one-sided p vs --target, time mean/std/median/range,
+ratio and projected time vs --reference-time), results.json and PNG plots.  A node fingerprint
+(GPUs, driver, versions, clocks, measured matmul TFLOP/s and copy TB/s) is taken before and after.
+
+Killed?  Run the same command again: done runs are kept, a run that was running resumes from its
+newest checkpoint (set train.checkpoint_every) or restarts in a new folder (the old one is marked
+ABANDONED and never counted).  Under torchrun every training uses all ranks.
+
+examples:
+  speedrun compare --arm base=tiny --arm cand=tiny:train.lr=1e-3 --seeds 4 --out records/lr
+  torchrun --standalone --nproc_per_node=8 -m speedrun compare --arm base=small --arm fp8=small:... \\
+      --data 'data/fineweb10B/fineweb_train_*.bin' --seeds 8 --target 3.28 --reference-time 89.9 \\
+      --set train.checkpoint_every=500 --out records/fp8
+"""
+
+_PROFILE_EPILOG = """\
+Profiles N optimizer steps (after untimed warmup) with torch.profiler and lists every op group
+(name, shapes, dtypes) with calls and time per step.  For GEMMs, copies, norms, softmax,
+elementwise ops and reductions it computes the minimal FLOPs and bytes from the shapes, the
+achieved TFLOP/s and TB/s, the floor time under the ceilings measured in the same run (bf16
+matmul, copy bandwidth; on the CPU give --peak-tflops/--peak-tbps or get no floors) and the time
+above it ("recoverable"), ranked.  Writes profile.md, roofline.png and profile.json to --out.
+
+--ncu reruns the steps under Nsight Compute and adds measured DRAM bytes per kernel next to the
+bytes its ops need (needs 'ncu' on PATH and a GPU; slow: every kernel is replayed).
+
+examples:
+  speedrun profile --arm tiny --steps 2 --peak-tflops 0.1 --peak-tbps 0.02      (CPU)
+  speedrun profile --arm small --data 'data/fineweb10B/fineweb_train_*.bin' --steps 5 --out prof/small
+  speedrun profile --arm small --data ... --steps 2 --ncu
+"""
+
+
+def _arm_common(p) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override applied to every arm before its own overrides (repeatable)")
+    p.add_argument("--data", metavar="GLOB", help="training shards (sets data.source=shards)")
+    p.add_argument("--val-data", metavar="GLOB", help="validation shards (default: --data with train -> val)")
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="micro-benchmarks of training (see 'speedrun bench step --help')",
+                           description="Benchmarks of the training step.")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="WHAT")
+    p = bsub.add_parser(
+        "step", help="time one optimizer step of two or more arms, interleaved",
+        description="Time one optimizer step of several arms at one stage's shapes.",
+        epilog=_BENCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--arm", action="append", required=True, help=_ARM_HELP)
+    p.add_argument("--stage", type=int, default=0, help="index into the config's stages (default 0)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per arm (>= 20; default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per arm first (default 3)")
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write the results (with every time) as JSON")
+    p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resampling (default 0)")
+    p.add_argument("--device", help="cpu, cuda or auto (sets train.device)")
+    _arm_common(p)
+    p.set_defaults(func=_bench_step)
+    bench.set_defaults(func=lambda args: bench.print_help() or 2)
+
+
+def _bench_step(args) -> int:
+    from speedrun.evidence.bench import cli_bench_step
+
+    return cli_bench_step(args)
+
+
+def _add_compare(sub) -> None:
+    p = sub.add_parser(
+        "compare", help="full trainings of arms x seeds, interleaved, into a records folder",
+        description="Train several arms with several seeds each on this node and write a records folder.",
+        epilog=_COMPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--arm", action="append", required=True, help=_ARM_HELP)
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="records folder (created; reused to resume)")
+    p.add_argument("--seeds", default="4", help="number of seeds (base-seed, base-seed+1, ...) or a list 0,1,2")
+    p.add_argument("--base-seed", type=int, default=0, help="first seed when --seeds is a count (default 0)")
+    p.add_argument("--target", type=float, default=3.28, help="validation loss target (default 3.28)")
+    p.add_argument("--reference-time", type=float, default=None, metavar="SECONDS",
+                   help="project the candidate's time as ratio x this baseline time")
+    p.add_argument("--no-measure", action="store_true", help="fingerprints without matmul/copy measurements")
+    p.add_argument("--quiet", action="store_true", help="no training progress on the console")
+    _arm_common(p)
+    p.set_defaults(func=_compare)
+
+
+def _compare(args) -> int:
+    from speedrun.evidence.compare import cli_compare
+
+    return cli_compare(args)
+
+
+def _add_profile(sub) -> None:
+    p = sub.add_parser(
+        "profile", help="per-op/per-kernel time, achieved TFLOP/s and TB/s, recoverable ms, roofline",
+        description="Profile training steps and rank ops by time above their roofline floor.",
+        epilog=_PROFILE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--arm", default="tiny", help="NAME=PRESET[:SECTION.FIELD=VALUE,...] (default: tiny)")
+    p.add_argument("--stage", type=int, default=0, help="index into the config's stages (default 0)")
+    p.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--out", type=Path, metavar="DIR", help="output folder (default profile-<arm>)")
+    p.add_argument("--peak-tflops", type=float, help="matmul ceiling in TFLOP/s (instead of measuring)")
+    p.add_argument("--peak-tbps", type=float, help="memory ceiling in TB/s (instead of measuring)")
+    p.add_argument("--no-measure", action="store_true", help="do not measure ceilings on the GPU")
+    p.add_argument("--ncu", action="store_true", help="also measure DRAM bytes per kernel with Nsight Compute")
+    p.add_argument("--top", type=int, default=30, help="rows per table on screen (default 30)")
+    p.add_argument("--device", help="cpu, cuda or auto (sets train.device)")
+    _arm_common(p)
+    p.set_defaults(func=_profile)
+
+
+def _profile(args) -> int:
+    from speedrun.evidence.profile import cli_profile
+
+    return cli_profile(args)
+
+
+_COMMANDS = (_add_stats, _add_doctor, _add_bench, _add_compare, _add_profile)
 
 
 def register(subparsers) -> None:

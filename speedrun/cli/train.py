@@ -109,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
             print(cfg.to_json())
             return 0
         result = train(cfg, console=not args.quiet)
+    if result.rank != 0:
+        return 0
     print(f"run folder: {result.run_dir}")
     print(f"final val_loss: {result.final_val_loss:.4f}  train_time: {result.train_time_ms / 1000:.1f}s")
     return 0

@@ -44,6 +44,12 @@ e4m3 x e5m2.  Unlike the record, backward honours ``grad_output`` (a per-row fac
 ``dX`` rows and folded into the dW operand ``x`` at O(N*D) cost) instead of baking
 ``grad_scale`` in at forward time; the e5m2 bytes are the same as the record's because its
 ``grad_scale`` cancels between ``dlogits`` and ``grad_s = grad_scale * 0.75/448``.
+
+Other deliberate differences from the record's CUDA kernel (f411b3d ``ce_fwd_bwd_kernel``): the
+softmax excludes padded columns (the record normalises over all 50304); the softmax-gradient
+weight sums only the terms that are active for the row (the record adds every MTP weight even where
+the batch end masks the term); ``sigmoid`` is kept in fp32 rather than staged as bf16.  All three
+make the kernel equal to the autograd gradient of the reference loss.
 """
 
 from __future__ import annotations
@@ -72,13 +78,14 @@ __all__ = [
     "fused_softcapped_ce",
     "fused_softcapped_ce_reference",
     "softcapped_ce_eval",
+    "transpose_fp8",
 ]
 
 DEFAULT_SOFTCAP = (23.0, 5.0, 7.5)
 X_SCALE = 100.0 / 448.0  # real value of one e4m3 unit of x (record: lm_head x_s)
 W_SCALE = 1.6 / 448.0  # real value of one e4m3 unit of W (record: lm_head w_s)
 GRAD_UNIT_SCALE = 0.75 / 448.0  # real value of one e5m2 unit of dlogits (record grad_s / grad_scale)
-_E5M2_MAX = 57344.0
+_LOG2E = 1.4426950408889634
 
 # The Triton 3.6 interpreter's fp32 -> e5m2 cast gets the exponent wrong when rounding carries into
 # the next binade, and its fp32 -> bf16 cast truncates, so under TRITON_INTERPRET the kernel rounds
@@ -262,7 +269,7 @@ def softcapped_ce_fwd_bwd_reference(
     check_targets: bool | None = None,
     block_v: int | None = None,
     block_m: int | None = None,
-    num_warps: int = 8,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`softcapped_ce_fwd_bwd` (same signature), by autograd in fp32.
 
@@ -292,6 +299,13 @@ def softcapped_ce_fwd_bwd_reference(
 
 
 @triton.jit
+def _softcap_u(z, k1, k2):
+    # sigmoid((z + B) / C) with exp2 and the constants folded on the host: k1 = -log2(e)/C,
+    # k2 = -B*log2(e)/C.
+    return 1.0 / (1.0 + tl.exp2(z * k1 + k2))
+
+
+@triton.jit
 def _ce_fwd_bwd_kernel(
     logits_ptr,
     stride_logits,
@@ -307,8 +321,9 @@ def _ce_fwd_bwd_kernel(
     n_cols,
     vocab_size,
     cap_a,
-    cap_b,
-    inv_c,
+    k1,
+    k2,
+    a_over_c,
     grad_mult,
     N_PREDICT: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
@@ -320,7 +335,17 @@ def _ce_fwd_bwd_kernel(
     BLOCK_V: tl.constexpr,
 ):
     # Each program owns BLOCK_M whole rows.  Pass 1 reads them for the log-sum-exp, pass 2 reads
-    # them again and writes dlogits; at the record's vocab a row is 100 KB, usually still in L2.
+    # them again and writes dlogits densely (softmax part only); a third step rewrites the few
+    # target columns.  At the record's vocab a row is 100 KB, usually still in L2 for pass 2.
+    LOG2E: tl.constexpr = 1.4426950408889634
+    LN2: tl.constexpr = 0.6931471805599453
+    # Under torch.compile, Inductor launches this kernel with fp64 float arguments; keep all the
+    # per-element arithmetic in fp32.
+    cap_a = tl.cast(cap_a, tl.float32)
+    k1 = tl.cast(k1, tl.float32)
+    k2 = tl.cast(k2, tl.float32)
+    a_over_c = tl.cast(a_over_c, tl.float32)
+    grad_mult = tl.cast(grad_mult, tl.float32)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     logit_rows = logits_ptr + rows[:, None] * stride_logits
@@ -329,21 +354,35 @@ def _ce_fwd_bwd_kernel(
 
     # `while` rather than `for ... in range(runtime bound)`: the Triton 3.6 interpreter cannot
     # index a runtime scalar under NumPy >= 2.4, and the CPU tests run there.
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    start = 0
-    while start < vocab_size:
-        cols = start + offs
-        real = cols < vocab_size
-        z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
-        if SOFTCAP:
-            z = cap_a / (1.0 + tl.exp(-(z + cap_b) * inv_c))
-        z = tl.where(real[None, :], z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
-        m = m_new
-        start += BLOCK_V
-    lse = m + tl.log(l)
+    if SOFTCAP:
+        # Softcapped logits never exceed A, so A is a fixed softmax offset: no running max, and
+        # per-lane partial sums reduced once at the end (exp(s - A) >= exp(-A) cannot underflow
+        # for the A <= 64 the launcher allows here).
+        acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+        a_log2e = cap_a * LOG2E
+        start = 0
+        while start < vocab_size:
+            cols = start + offs
+            real = cols < vocab_size
+            z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
+            e = tl.exp2(_softcap_u(z, k1, k2) * a_log2e - a_log2e)
+            acc += tl.where(real[None, :], e, 0.0)
+            start += BLOCK_V
+        lse = cap_a + tl.log2(tl.sum(acc, axis=1)) * LN2
+    else:
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        start = 0
+        while start < vocab_size:
+            cols = start + offs
+            real = cols < vocab_size
+            z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
+            z = tl.where(real[None, :], z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=1))
+            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+            m = m_new
+            start += BLOCK_V
+        lse = m + tl.log(l)
 
     loss = tl.zeros([BLOCK_M], tl.float32)
     weight_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -355,7 +394,7 @@ def _ce_fwd_bwd_kernel(
         bad = bad | (t < -1) | (t >= vocab_size)
         zt = tl.load(logits_ptr + rows * stride_logits + t, mask=row_ok & ok, other=0.0).to(tl.float32)
         if SOFTCAP:
-            zt = cap_a / (1.0 + tl.exp(-(zt + cap_b) * inv_c))
+            zt = cap_a * _softcap_u(zt, k1, k2)
         loss += tl.where(ok, w * (lse - zt), 0.0)
         weight_sum += tl.where(ok, w, 0.0)
     if HAS_PREFIX:
@@ -365,33 +404,27 @@ def _ce_fwd_bwd_kernel(
         bad = bad | (pt < -1) | (pt >= vocab_size)
         zt = tl.load(logits_ptr + rows * stride_logits + pt, mask=row_ok & ok, other=0.0).to(tl.float32)
         if SOFTCAP:
-            zt = cap_a / (1.0 + tl.exp(-(zt + cap_b) * inv_c))
+            zt = cap_a * _softcap_u(zt, k1, k2)
         loss += tl.where(ok, pw * (lse - zt), 0.0)
         weight_sum += tl.where(ok, pw, 0.0)
     tl.store(losses_ptr + rows, tl.where(bad, float("nan"), loss), mask=row_ok)
 
-    # d loss / d s_j = weight_sum * p_j - (sum of the weights whose target is j); the target
-    # columns are corrected in the same dense pass (one compare per term), so no scattered writes.
+    # Dense part of d loss / d s_j = weight_sum * p_j - (weights whose target is j).
+    lse_log2e = lse * LOG2E
+    coef = weight_sum * grad_mult
+    if SOFTCAP:
+        coef = coef * a_over_c
     start = 0
     while start < n_cols:
         cols = start + offs
         real = cols < vocab_size
         z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
         if SOFTCAP:
-            u = 1.0 / (1.0 + tl.exp(-(z + cap_b) * inv_c))
-            p = tl.exp(cap_a * u - lse[:, None])
-            ds_dz = (cap_a * inv_c) * u * (1.0 - u)
+            u = _softcap_u(z, k1, k2)
+            p = tl.exp2(u * a_log2e - lse_log2e[:, None])
+            g = p * (u - u * u) * coef[:, None]
         else:
-            p = tl.exp(z - lse[:, None])
-            ds_dz = 1.0
-        hit = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
-        for k in tl.static_range(N_PREDICT):
-            t = tl.load(targets_ptr + rows + k, mask=row_ok & (rows + k < n_targets), other=-1).to(tl.int64)
-            w = tl.load(mtp_w_ptr + k)
-            hit += tl.where(cols[None, :] == t[:, None], w, 0.0)
-        if HAS_PREFIX:
-            hit += tl.where(cols[None, :] == pt[:, None], pw, 0.0)
-        g = (weight_sum[:, None] * p - hit) * ds_dz * grad_mult
+            g = tl.exp2(z * LOG2E - lse_log2e[:, None]) * coef[:, None]
         g = tl.where(real[None, :], g, 0.0)
         if GRAD_FP8:
             g = tl.minimum(tl.maximum(g, -57344.0), 57344.0)
@@ -399,8 +432,7 @@ def _ce_fwd_bwd_kernel(
                 # Round exactly (RTNE) in fp32 first: adding and subtracting 1.5 * 2**(q + 23)
                 # rounds to a multiple of 2**q, q being the e5m2 spacing at |g| (two mantissa
                 # bits, fixed below the normal range).
-                bits = g.to(tl.int32, bitcast=True)
-                q_exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -14) - 2
+                q_exp = tl.maximum(((g.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -14) - 2
                 magic = (((q_exp + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
                 r = (tl.abs(g) + magic) - magic
                 g = tl.where(g < 0, -r, r)
@@ -409,18 +441,87 @@ def _ce_fwd_bwd_kernel(
             if SOFT_ROUND_BF16:
                 # RTNE to bf16 on the fp32 bits (the interpreter's own cast truncates).
                 bits = g.to(tl.int32, bitcast=True)
-                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-                g = bits.to(tl.float32, bitcast=True)
+                g = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
             out = g.to(dlogits_ptr.dtype.element_ty)
         tl.store(grad_rows + cols[None, :], out, mask=row_ok[:, None] & (cols < n_cols)[None, :])
         start += BLOCK_V
+
+    # Sparse correction: rewrite each target column with its full value.  A column hit by several
+    # terms gets the same value from each (idempotent).  The barrier orders these stores after
+    # the dense ones of other threads in this program.
+    tl.debug_barrier()
+    for j in tl.static_range(N_PREDICT + HAS_PREFIX):
+        if j < N_PREDICT:
+            col = tl.load(targets_ptr + rows + j, mask=row_ok & (rows + j < n_targets), other=-1).to(tl.int64)
+        else:
+            col = pt
+        ok = row_ok & (col >= 0) & (col < vocab_size)
+        hit = tl.zeros([BLOCK_M], tl.float32)
+        for k in tl.static_range(N_PREDICT):
+            t = tl.load(targets_ptr + rows + k, mask=row_ok & (rows + k < n_targets), other=-1).to(tl.int64)
+            hit += tl.where(t == col, tl.load(mtp_w_ptr + k), 0.0)
+        if HAS_PREFIX:
+            hit += tl.where(pt == col, pw, 0.0)
+        z = tl.load(logits_ptr + rows * stride_logits + col, mask=ok, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            u = _softcap_u(z, k1, k2)
+            p = tl.exp2(u * a_log2e - lse_log2e)
+            g = (weight_sum * p - hit) * (u - u * u) * (a_over_c * grad_mult)
+        else:
+            g = (weight_sum * tl.exp2(z * LOG2E - lse_log2e) - hit) * grad_mult
+        if GRAD_FP8:
+            g = tl.minimum(tl.maximum(g, -57344.0), 57344.0)
+            if SOFT_ROUND:
+                q_exp = tl.maximum(((g.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -14) - 2
+                magic = (((q_exp + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+                r = (tl.abs(g) + magic) - magic
+                g = tl.where(g < 0, -r, r)
+            out = g.to(tl.float8e5, fp_downcast_rounding="rtne")
+        else:
+            if SOFT_ROUND_BF16:
+                bits = g.to(tl.int32, bitcast=True)
+                g = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            out = g.to(dlogits_ptr.dtype.element_ty)
+        tl.store(dlogits_ptr + rows * stride_dlogits + col, out, mask=ok)
+
+
+@triton.jit
+def _transpose_bytes_kernel(src_ptr, dst_ptr, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # dst (n_cols, n_rows) = src (n_rows, n_cols)^T, both contiguous, one byte per element; the
+    # compiler stages the tile through shared memory so both sides are coalesced.
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r[:, None] < n_rows) & (c[None, :] < n_cols)
+    tile = tl.load(src_ptr + r[:, None] * n_cols + c[None, :], mask=mask)
+    tl.store(dst_ptr + c[None, :] * n_rows + r[:, None], tile, mask=mask)
+
+
+def transpose_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Contiguous transpose of a contiguous 2-D FP8 (or any 1-byte) tensor: (R, C) -> (C, R).
+
+    Triton on CUDA or under the interpreter (torch's strided copy of 1-byte types runs at a small
+    fraction of bandwidth), ``x.t().contiguous()`` elsewhere.
+    """
+    if x.dim() != 2 or x.element_size() != 1 or not x.is_contiguous():
+        raise ValueError(f"transpose_fp8 needs a contiguous 2-D 1-byte tensor, got {x.dtype} {tuple(x.shape)}")
+    if not (x.is_cuda or _INTERPRET) or x.numel() == 0:
+        return x.t().contiguous()
+    r, c = x.shape
+    out = torch.empty((c, r), dtype=x.dtype, device=x.device)
+    block_r, block_c = 64, 128
+    _transpose_bytes_kernel[(triton.cdiv(r, block_r), triton.cdiv(c, block_c))](
+        x.view(torch.uint8), out.view(torch.uint8), r, c, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4
+    )
+    return out
 
 
 _GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e5m2)
 
 
 def _default_block_v(n_cols: int) -> int:
-    return min(4096, triton.next_power_of_2(max(n_cols, 16)))
+    # H200, N=49152, V=50304, e5m2 out (benchmarks/bench_cross_entropy.py --sweep): 1024 columns
+    # x 4 warps and 512 x 2 warps ran 4.2 ms; 4096 x 8 warps 5.3 ms; 2 rows per program no better.
+    return min(1024, triton.next_power_of_2(max(n_cols, 16)))
 
 
 def softcapped_ce_fwd_bwd(
@@ -439,7 +540,7 @@ def softcapped_ce_fwd_bwd(
     check_targets: bool | None = None,
     block_v: int | None = None,
     block_m: int | None = None,
-    num_warps: int = 8,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and its logits gradient in one Triton pass (forward and backward together).
 
@@ -449,7 +550,7 @@ def softcapped_ce_fwd_bwd(
     +-57344) holding ``grad_out_scale * d(sum_t loss_t)/d logits`` -- zero in padded columns.
     ``losses_out`` / ``dlogits_out`` are optional preallocated outputs (contiguous).
     ``check_targets``: verify id ranges on the host (None: only for CPU tensors, where it is free).
-    ``block_v``: vocabulary chunk per loop step (power of two), default min(4096, V_pad);
+    ``block_v``: vocabulary chunk per loop step (power of two), default min(1024, V_pad);
     ``block_m``: rows per program (power of two), default 1 (64 under the interpreter);
     ``num_warps``: Triton warps per program.
     """
@@ -489,6 +590,8 @@ def softcapped_ce_fwd_bwd(
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 1, got {block_m}")
     a, b, c = softcap if softcap is not None else (1.0, 0.0, 1.0)
+    if softcap is not None and a > 64:
+        raise ValueError(f"softcap A={a} is too large for the kernel's fixed softmax offset (A <= 64)")
     _ce_fwd_bwd_kernel[(triton.cdiv(n, block_m),)](
         logits,
         logits.stride(0),
@@ -504,8 +607,9 @@ def softcapped_ce_fwd_bwd(
         v_pad,
         vocab_size,
         float(a),
-        float(b),
-        1.0 / float(c),
+        -_LOG2E / float(c),
+        -float(b) * _LOG2E / float(c),
+        float(a) / float(c),
         float(grad_out_scale),
         N_PREDICT=w.numel(),
         HAS_PREFIX=prefix_targets is not None,
@@ -619,7 +723,7 @@ class FusedSoftcappedCE(torch.autograd.Function):
                 amax = go.abs().amax().clamp_min(1e-30)
                 xg_scale = amax * x_scale
                 xg_t = quantize_tensorwise((x.float() * go).t(), xg_scale, torch.float8_e4m3fn).contiguous()
-                d_col = dlogits.t().contiguous().t()
+                d_col = transpose_fp8(dlogits).t()
                 dw = scaled_mm(xg_t, d_col, xg_scale, g_unit, ctx.weight_dtype, use_fast_accum=False)
         else:
             if ctx.needs_input_grad[0]:

@@ -36,9 +36,16 @@ dpre       e5m2    delayed: s = amax(previous call) · 2 / 57344, measured in th
 Delayed scales live in :class:`MLPScaleState` (device tensors, no host sync); its first use
 calibrates from a current measurement (one extra GEMM, once).
 
-Triton kernels use plain pointer loads (no TMA descriptors), so they also run in the CPU
-interpreter (``TRITON_INTERPRET=1``) at small shapes; without CUDA or the interpreter every kernel
-falls back to its PyTorch reference.  ``_scaled_mm`` on CPU is emulated exactly in fp32.
+Kernels.  One fused GEMM, :func:`relu2_gemm`, in two variants behind one dispatcher: a plain
+pointer-load kernel (any strides; runs in the CPU interpreter, ``TRITON_INTERPRET=1``, at small
+shapes) and, on sm90 with K-major contiguous operands, a persistent TMA-descriptor kernel
+(``USE_TMA``); both share one epilogue.  FP8 outputs are produced as bit patterns by integer
+arithmetic and stored through uint8 views: a kernel that stores an FP8 tile both row-major and
+transposed gets corrupted bytes from the cvt path on sm90 with Triton 3.6's ptxas
+(triton-lang/triton#11111, reproduced here).  Under the interpreter, whose bf16 dot and float
+casts are inexact, the kernel upcasts dot operands to fp32 and rounds bf16 outputs itself
+(``EXACT_CASTS``).  Without CUDA or the interpreter everything falls back to the PyTorch
+references; FP8 GEMMs go through :func:`speedrun.kernels.fp8_ops.scaled_mm`.
 """
 
 from __future__ import annotations
@@ -57,12 +64,14 @@ from speedrun.kernels.fp8_cache import (
     FP8_MAX,
     FP8Weight,
     _fp8_bits,
+    _fp8_bits_hw,
     _round_to_grid,
     grid_constants,
     interpreting,
     quantize_current,
     triton_usable,
 )
+from speedrun.kernels.fp8_ops import scaled_mm  # torch._scaled_mm on sm89+, exact fp32 emulation elsewhere
 
 MODES = ("bf16", "fp8_fwd", "fp8_full")
 POST_HEADROOM = 1.8
@@ -71,30 +80,53 @@ _FP8 = (E4M3, E5M2)
 
 
 # ----------------------------------------------------------------------------------------------
-# FP8 GEMM (private until speedrun.kernels.fp8_ops lands; then use its scaled_mm)
-
-
-def scaled_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    scale_b: torch.Tensor,
-    *,
-    out_dtype: torch.dtype = torch.bfloat16,
-    use_fast_accum: bool = False,
-) -> torch.Tensor:
-    """``(a @ b) * scale_a * scale_b`` for FP8 ``a`` (M, K) row-major and ``b`` (K, N) column-major.
-
-    CUDA: ``torch._scaled_mm`` (tensorwise 0-d fp32 scales).  CPU: exact emulation (fp8 values are
-    exact in fp32; products and sums in fp32).
-    """
-    if a.is_cuda:
-        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
-    return ((a.float() @ b.float()) * (scale_a * scale_b)).to(out_dtype)
-
-
-# ----------------------------------------------------------------------------------------------
 # The fused GEMM: acc = a @ bᵀ, then the ReLU² epilogue (forward) or its derivative (backward)
+
+
+@triton.jit
+def _epilogue(
+    acc, offs_m, offs_n, M, N, aux_ptr, out_ptr, q_ptr, qt_ptr, amax_ptr,
+    a_scale_ptr, b_scale_ptr, aux_scale_ptr, q_scale_ptr,
+    FORWARD: tl.constexpr, AB_SCALED: tl.constexpr, AUX_SCALED: tl.constexpr,
+    STORE_OUT: tl.constexpr, STORE_Q: tl.constexpr, STORE_QT: tl.constexpr, Q_MAX: tl.constexpr,
+    Q_E5M2: tl.constexpr, EXACT_CASTS: tl.constexpr,
+    O_MANT: tl.constexpr, O_EMIN: tl.constexpr, O_SUB_C: tl.constexpr, O_MIN_NORMAL: tl.constexpr,
+    Q_MANT: tl.constexpr, Q_EMIN: tl.constexpr, Q_SUB_C: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
+):
+    """ReLU² (forward) or its derivative from post (backward) on one fp32 accumulator tile, then
+    the bf16 and/or FP8 (row-major, transposed) stores and the running amax."""
+    if AB_SCALED:
+        acc = acc * (tl.load(a_scale_ptr) * tl.load(b_scale_ptr))
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    row_major = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    if FORWARD:
+        r = tl.maximum(acc, 0.0)
+        v = r * r
+    else:
+        post = tl.load(aux_ptr + row_major, mask=mask, other=0.0).to(tl.float32)
+        if AUX_SCALED:
+            post = post * tl.load(aux_scale_ptr)
+        v = 2.0 * acc * tl.sqrt(post)
+    if STORE_OUT:
+        o = v
+        if EXACT_CASTS:
+            o = _round_to_grid(o, O_MANT, O_EMIN, O_SUB_C, O_MIN_NORMAL)
+        tl.store(out_ptr + row_major, o.to(out_ptr.dtype.element_ty), mask=mask)
+    if STORE_Q or STORE_QT:
+        inv = tl.math.div_rn(1.0, tl.load(q_scale_ptr))
+        qf = tl.minimum(tl.maximum(v * inv, -Q_MAX), Q_MAX)
+        if EXACT_CASTS or (STORE_Q and STORE_QT):
+            # Both layouts from one tile: bit pattern by integer arithmetic (see _fp8_bits; the
+            # hardware cvt path corrupts the transposed store here, triton-lang/triton#11111).
+            q = _fp8_bits(qf, Q_MANT, Q_EMIN, Q_SUB_C, Q_MIN_NORMAL)
+        else:
+            q = _fp8_bits_hw(qf, Q_E5M2)
+        if STORE_Q:
+            tl.store(q_ptr + row_major, q, mask=mask)
+        if STORE_QT:
+            tl.store(qt_ptr + offs_n[None, :].to(tl.int64) * M + offs_m[:, None], q, mask=mask)
+        tile_amax = tl.max(tl.max(tl.where(mask, tl.abs(v), 0.0), axis=1), axis=0)
+        tl.atomic_max(amax_ptr, tile_amax)
 
 
 @triton.jit
@@ -148,37 +180,52 @@ def _relu2_gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    if AB_SCALED:
-        acc = acc * (tl.load(a_scale_ptr) * tl.load(b_scale_ptr))
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    row_major = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    if FORWARD:
-        r = tl.maximum(acc, 0.0)
-        v = r * r
-    else:
-        post = tl.load(aux_ptr + row_major, mask=mask, other=0.0).to(tl.float32)
-        if AUX_SCALED:
-            post = post * tl.load(aux_scale_ptr)
-        v = 2.0 * acc * tl.sqrt(post)
-    if STORE_OUT:
-        o = v
-        if EXACT_CASTS:
-            o = _round_to_grid(o, O_MANT, O_EMIN, O_SUB_C, O_MIN_NORMAL)
-        tl.store(out_ptr + row_major, o.to(out_ptr.dtype.element_ty), mask=mask)
-    if STORE_Q or STORE_QT:
-        inv = tl.math.div_rn(1.0, tl.load(q_scale_ptr))
-        qf = tl.minimum(tl.maximum(v * inv, -Q_MAX), Q_MAX)
-        if EXACT_CASTS:
-            qf = _round_to_grid(qf, Q_MANT, Q_EMIN, Q_SUB_C, Q_MIN_NORMAL)
-        # Raw bytes into uint8 views (ptxas 12.9 can corrupt an fp8 transposed store that
-        # shares a kernel with an fp8 row-major one: triton-lang/triton#11111).
-        q = _fp8_bits(qf, Q_E5M2, EXACT_CASTS)
-        if STORE_Q:
-            tl.store(q_ptr + row_major, q, mask=mask)
-        if STORE_QT:
-            tl.store(qt_ptr + offs_n[None, :].to(tl.int64) * M + offs_m[:, None], q, mask=mask)
-        tile_amax = tl.max(tl.max(tl.where(mask, tl.abs(v), 0.0), axis=1), axis=0)
-        tl.atomic_max(amax_ptr, tile_amax)
+    _epilogue(
+        acc, offs_m, offs_n, M, N, aux_ptr, out_ptr, q_ptr, qt_ptr, amax_ptr,
+        a_scale_ptr, b_scale_ptr, aux_scale_ptr, q_scale_ptr,
+        FORWARD, AB_SCALED, AUX_SCALED, STORE_OUT, STORE_Q, STORE_QT, Q_MAX, Q_E5M2, EXACT_CASTS,
+        O_MANT, O_EMIN, O_SUB_C, O_MIN_NORMAL, Q_MANT, Q_EMIN, Q_SUB_C, Q_MIN_NORMAL,
+    )
+
+
+@triton.jit
+def _relu2_gemm_tma_kernel(
+    a_desc, b_desc, aux_ptr, out_ptr, q_ptr, qt_ptr, amax_ptr,
+    a_scale_ptr, b_scale_ptr, aux_scale_ptr, q_scale_ptr,
+    M, N, K: tl.constexpr,
+    FORWARD: tl.constexpr, AB_SCALED: tl.constexpr, AUX_SCALED: tl.constexpr,
+    STORE_OUT: tl.constexpr, STORE_Q: tl.constexpr, STORE_QT: tl.constexpr, Q_MAX: tl.constexpr,
+    Q_E5M2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
+    EXACT_CASTS: tl.constexpr,
+    O_MANT: tl.constexpr, O_EMIN: tl.constexpr, O_SUB_C: tl.constexpr, O_MIN_NORMAL: tl.constexpr,
+    Q_MANT: tl.constexpr, Q_EMIN: tl.constexpr, Q_SUB_C: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
+):
+    """sm90 variant of :func:`_relu2_gemm_kernel`: persistent over output tiles (one program per
+    SM), operands through TMA descriptors (K-major a (M, K) and b (N, K)); same epilogue."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_m * num_n
+    per_group = GROUP_M * num_n
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=FLATTEN):
+        first_m = (tile // per_group) * GROUP_M
+        group_rows = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_rows
+        pid_n = (tile % per_group) // group_rows
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        _epilogue(
+            acc, offs_m, offs_n, M, N, aux_ptr, out_ptr, q_ptr, qt_ptr, amax_ptr,
+            a_scale_ptr, b_scale_ptr, aux_scale_ptr, q_scale_ptr,
+            FORWARD, AB_SCALED, AUX_SCALED, STORE_OUT, STORE_Q, STORE_QT, Q_MAX, Q_E5M2, EXACT_CASTS,
+            O_MANT, O_EMIN, O_SUB_C, O_MIN_NORMAL, Q_MANT, Q_EMIN, Q_SUB_C, Q_MIN_NORMAL,
+        )
 
 
 class GemmOut(NamedTuple):
@@ -197,6 +244,26 @@ GPU_CONFIGS = {
     "bf16": (128, 256, 64, 8, 8, 3),
     "fp8": (128, 256, 128, 8, 8, 3),
 }
+# The TMA persistent kernel (sm90 and K-major contiguous operands only); USE_TMA False forces
+# the pointer kernel everywhere.
+# Keys "<dtype>" or, taking precedence for the forward (ReLU²) epilogue, "<dtype>_fwd".
+TMA_CONFIGS = {
+    "bf16": (128, 256, 64, 8, 8, 3),
+    "fp8": (128, 256, 128, 8, 8, 3),
+    "fp8_fwd": (128, 128, 128, 8, 8, 4),
+}
+USE_TMA = True
+TMA_FLATTEN = True
+
+
+def _use_tma(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not (USE_TMA and a.is_cuda and not interpreting()):
+        return False
+    if torch.cuda.get_device_capability(a.device)[0] < 9:
+        return False
+    return all(t.stride(1) == 1 and t.stride(0) == t.shape[1] and t.data_ptr() % 16 == 0 for t in (a, b))
+
+
 _INTERP_CONFIG = (32, 64, 32, 2, 1, 1)  # few, fat programs: the interpreter pays ~50 ms per program
 
 
@@ -292,9 +359,15 @@ def relu2_gemm(
     fp8 = a.dtype in _FP8
     bm, bn, bk, gm, warps, stages = _INTERP_CONFIG if interpreting() else GPU_CONFIGS["fp8" if fp8 else "bf16"]
     dummy = a  # placeholder for pointers a constexpr branch never touches
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _relu2_gemm_kernel[grid](
-        a, b,
+    common = dict(
+        FORWARD=aux is None, AB_SCALED=a_scale is not None, AUX_SCALED=aux is not None and aux.dtype in _FP8,
+        STORE_OUT=out is not None, STORE_Q=out_q is not None, STORE_QT=out_qt is not None,
+        Q_MAX=FP8_MAX[q_dtype] if q_dtype is not None else 1.0, Q_E5M2=q_dtype == E5M2,
+        EXACT_CASTS=interpreting(),
+        **{"O_" + k: v for k, v in grid_constants(out_dtype).items()},
+        **{"Q_" + k: v for k, v in grid_constants(q_dtype or E4M3).items()},
+    )
+    ptrs = (
         aux if aux is not None else dummy,
         out if out is not None else dummy,
         out_q.view(torch.uint8) if out_q is not None else dummy,
@@ -304,16 +377,27 @@ def relu2_gemm(
         b_scale if b_scale is not None else dummy,
         aux_scale if aux_scale is not None else dummy,
         q_scale if q_scale is not None else dummy,
-        M, N, K,
+    )
+    if _use_tma(a, b):
+        key = "fp8" if fp8 else "bf16"
+        bm, bn, bk, gm, warps, stages = TMA_CONFIGS.get(key + "_fwd" if aux is None else key, TMA_CONFIGS[key])
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        grid = (min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
+        _relu2_gemm_tma_kernel[grid](
+            TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]), *ptrs,
+            M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_SMS=sms, FLATTEN=TMA_FLATTEN,
+            num_warps=warps, num_stages=stages, **common,
+        )
+        return GemmOut(out, out_q, out_qt, amax)
+    bm, bn, bk, gm, warps, stages = _INTERP_CONFIG if interpreting() else GPU_CONFIGS["fp8" if fp8 else "bf16"]
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _relu2_gemm_kernel[grid](
+        a, b, *ptrs, M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        FORWARD=aux is None, AB_SCALED=a_scale is not None, AUX_SCALED=aux is not None and aux.dtype in _FP8,
-        STORE_OUT=out is not None, STORE_Q=out_q is not None, STORE_QT=out_qt is not None,
-        Q_MAX=FP8_MAX[q_dtype] if q_dtype is not None else 1.0, Q_E5M2=q_dtype == E5M2,
-        EVEN_K=K % bk == 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages,
-        EXACT_CASTS=interpreting(),
-        **{"O_" + k: v for k, v in grid_constants(out_dtype).items()},
-        **{"Q_" + k: v for k, v in grid_constants(q_dtype or E4M3).items()},
+        EVEN_K=K % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+        num_warps=warps, num_stages=stages, **common,
     )
     return GemmOut(out, out_q, out_qt, amax)
 

@@ -218,33 +218,70 @@ if _HAVE_TRITON:
         _store_sym(c_ptr + batch * sc_b, acc, offs_r, offs_c, M, sc_r, sc_c)
 
 
+_INTERPRETED: bool | None = None
+
+
 def triton_interpreted() -> bool:
     """True when the Triton kernels run under ``TRITON_INTERPRET=1`` (set before import)."""
-    if not _HAVE_TRITON:
-        return False
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover - layout of older Triton
-        return False
-    return isinstance(_xxt_kernel, InterpretedFunction)
+    global _INTERPRETED
+    if _INTERPRETED is None:
+        _INTERPRETED = False
+        if _HAVE_TRITON:
+            try:
+                from triton.runtime.interpreter import InterpretedFunction
+
+                _INTERPRETED = isinstance(_xxt_kernel, InterpretedFunction)
+            except ImportError:  # pragma: no cover - layout of older Triton
+                pass
+    return _INTERPRETED
 
 
-def _config(reduce_dim: int, kind: str, elem_bytes: int = 2) -> tuple[int, int, int, int, int]:
+# Shape-specific overrides: (kind, batch, output side, reduced dim) ->
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps).  ``benchmarks/bench_polar_express.py --sweep``
+# prints candidates.
+TUNED_CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int, int, int]] = {}
+# True: always use the record's H100 configs instead of the occupancy rule below.
+USE_RECORD_CONFIGS = False
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _config(reduce_dim: int, kind: str, elem_bytes: int = 2,
+            key: tuple[str, int, int, int] | None = None,
+            device: torch.device | None = None) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) for a kernel.
 
-    On GPU these are the record's H100-tuned bf16 configs: (128, 128, 64) when the reduced
-    dimension is 768 (and always for ba+cAA), else (64, 128, 128); 4 stages, 8 warps.  fp32
-    inputs need twice the shared memory per stage, so they get a shorter BLOCK_K and 3 stages.
-    Under the interpreter small tiles (BLOCK_M != BLOCK_N on purpose, to exercise the
-    partial-diagonal tiles) keep CPU tests fast.
+    Record configs (H100-tuned, bf16): (128, 128, 64) when the reduced dimension is 768 (and always
+    for ba+cAA), else (64, 128, 128); 4 stages, 8 warps.  Measured on an H200 (2026-12-02,
+    do_bench_cudagraph): problems with fewer 128x128 output tiles than SMs (a rank's qk/vo chunk)
+    run ~2x faster with (64, 64, 128, 3 stages, 4 warps), and big batches ~10% faster with
+    (128, 128, 64, 3 stages, 8 warps); that occupancy rule is the default unless
+    ``USE_RECORD_CONFIGS`` is set.  fp32 inputs need twice the shared memory per stage, so they
+    get a shorter BLOCK_K and 3 stages.  Under the interpreter small tiles (BLOCK_M != BLOCK_N on
+    purpose, to exercise the partial-diagonal tiles) keep CPU tests fast.
     """
     if triton_interpreted():
         return 32, 64, 32, 1, 1
+    if key is not None and elem_bytes == 2 and key in TUNED_CONFIGS:
+        return TUNED_CONFIGS[key]
     if elem_bytes > 2:
         return 64, 128, 32, 3, 8
-    if kind == "ba_plus_caa" or reduce_dim == 768:
-        return 128, 128, 64, 4, 8
-    return 64, 128, 128, 4, 8
+    if USE_RECORD_CONFIGS or key is None or device is None:
+        if kind == "ba_plus_caa" or reduce_dim == 768:
+            return 128, 128, 64, 4, 8
+        return 64, 128, 128, 4, 8
+    _, batch, n_out, _ = key
+    big_tiles = batch * (-(-n_out // 128)) ** 2
+    if big_tiles < _sm_count(device):
+        return 64, 64, 128, 3, 4
+    return 128, 128, 64, 3, 8
 
 
 # ------------------------------------------------------------------------------------------------
@@ -285,7 +322,8 @@ def _check_triton(name: str, A: Tensor, out: Tensor) -> None:
 
 def _launch_sym(kernel, name: str, A: Tensor, out: Tensor, n_out: int, reduce_dim: int, *scalars) -> Tensor:
     a3, c3 = _as3d(A), _as3d(out)
-    bm, bn, bk, stages, warps = _config(reduce_dim, name, A.element_size())
+    bm, bn, bk, stages, warps = _config(reduce_dim, name, A.element_size(), (name, a3.size(0), n_out, reduce_dim),
+                                        A.device)
     grid = (triton.cdiv(n_out, bm) * triton.cdiv(n_out, bn), a3.size(0))
     if grid[1] > 65535:
         raise ValueError(f"{name}: batch of {grid[1]} exceeds the 65535 grid limit")
@@ -410,10 +448,10 @@ def polar_express(G: Tensor, steps: int = 5, use_triton: bool | None = None) -> 
         raise ValueError(f"polar_express: steps must be in 1..{len(POLAR_EXPRESS_COEFFS)}, got {steps}")
     triton_path = _use_triton(G, use_triton)
     shape = G.shape
-    X = G.reshape(-1, *shape[-2:]).to(torch.bfloat16)
-    # Norm in fp32 so huge or tiny gradients do not over/underflow before the division.
-    norm = X.float().norm(dim=(-2, -1), keepdim=True)
-    X = (X.float() / (norm * PRE_NORM_SAFETY + PRE_NORM_EPS)).to(torch.bfloat16).contiguous()
+    # Normalise in fp32 (no over/underflow for huge or tiny gradients), then round once to bf16.
+    Gf = G.reshape(-1, *shape[-2:]).float()
+    denom = Gf.norm(dim=(-2, -1), keepdim=True).mul_(PRE_NORM_SAFETY).add_(PRE_NORM_EPS)
+    X = torch.div(Gf, denom).to(torch.bfloat16).contiguous()
 
     tall = X.size(-2) > X.size(-1)
     n = X.size(-1) if tall else X.size(-2)

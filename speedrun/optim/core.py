@@ -1,7 +1,8 @@
 """The optimizer of the core model: AdamW in three parameter groups with a trapezoid LR schedule.
 
 The training loop talks to every optimizer through the same small interface:
-``step(step_index)`` (applies the schedule for that step, then updates), ``zero_grad()``,
+``step(step_index)`` (applies the schedule for that step, updates, and clears the gradients it
+used), ``zero_grad()``,
 ``state_dict()`` / ``load_state_dict()``.  NorMuon + Adam of the record recipe implements the same.
 """
 
@@ -56,6 +57,7 @@ class CoreOptimizer:
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         self.adam.step()
+        self.zero_grad()
 
     def zero_grad(self) -> None:
         self.adam.zero_grad(set_to_none=True)

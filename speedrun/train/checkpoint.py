@@ -32,7 +32,31 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int =
     os.replace(tmp, path)
     for old in list_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True)
+        for shard in old.parent.glob(old.stem + ".rank*.pt"):
+            shard.unlink(missing_ok=True)
     return path
+
+
+def rank_state_path(run_dir: Path, step: int, rank: int) -> Path:
+    """Where rank ``rank`` keeps its own part of the step-``step`` checkpoint (sharded optimizer state)."""
+    return checkpoint_path(run_dir, step).with_suffix(f".rank{rank}.pt")
+
+
+def save_rank_state(run_dir: Path, step: int, rank: int, state: dict[str, Any]) -> Path:
+    path = rank_state_path(run_dir, step, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_rank_state(run_dir: Path, step: int, rank: int, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    path = rank_state_path(run_dir, step, rank)
+    if not path.exists():
+        raise SpeedrunError(f"checkpoint of step {step} lacks rank {rank}'s part ({path}); was it written "
+                            f"with a different world size?")
+    return torch.load(path, map_location=map_location, weights_only=False)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

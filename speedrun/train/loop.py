@@ -24,7 +24,7 @@ from speedrun.config import RunConfig, Stage
 from speedrun.errors import ConfigError, DataError
 from speedrun.model import build_model
 from speedrun.model.interface import ForwardArgs
-from speedrun.train.checkpoint import load_latest, save_checkpoint
+from speedrun.train.checkpoint import load_latest, load_rank_state, save_checkpoint, save_rank_state
 from speedrun.train.runlog import RunLog, environment_lines, new_run_dir, step_line, val_line
 
 
@@ -36,6 +36,7 @@ class TrainResult:
     train_time_ms: float
     sample: str
     stopped_early: bool = False
+    rank: int = 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -82,11 +83,28 @@ def resolve_data(cfg: RunConfig):
 
 
 def stages_of(cfg: RunConfig) -> list[Stage]:
+    """The run's stages (batch size, sequence cap, windows from each start step)."""
     t = cfg.train
+    if t.schedule == "record":
+        from speedrun.optim.schedule import RecordSchedule
+        from speedrun.train.recipes import record_stages_scaled
+
+        return RecordSchedule(t.steps - t.num_extension, t.num_extension,
+                              stages=record_stages_scaled(t.batch_divisor, t.seq_divisor),
+                              block_size=t.window_block).to_config_stages()
     if t.stages:
         return sorted(t.stages, key=lambda s: s.start_step)
     window = t.window or None
     return [Stage(0, t.batch_tokens, t.max_seq_len, window, window)]
+
+
+def grad_accum_steps(cfg: RunConfig, world: int) -> int:
+    """Micro-batches per step per rank; 0 in the config means the record's 8 // world_size."""
+    if cfg.train.grad_accum > 0:
+        return cfg.train.grad_accum
+    if 8 % world:
+        raise ConfigError(f"train.grad_accum=0 (auto) needs a world size dividing 8, got {world}")
+    return 8 // world
 
 
 def stage_at(stages: list[Stage], step: int) -> int:
@@ -98,10 +116,11 @@ def stage_at(stages: list[Stage], step: int) -> int:
 
 
 def tokens_per_rank(stage: Stage, cfg: RunConfig, world: int) -> int:
-    parts = world * cfg.train.grad_accum
+    accum = grad_accum_steps(cfg, world)
+    parts = world * accum
     if stage.batch_tokens % parts:
         raise ConfigError(f"batch of {stage.batch_tokens} tokens does not split over {world} ranks x "
-                          f"{cfg.train.grad_accum} accumulation steps")
+                          f"{accum} accumulation steps")
     return stage.batch_tokens // parts
 
 
@@ -125,15 +144,36 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def train_step(model, optimizer, loader, step: int, args: ForwardArgs, cfg: RunConfig, info, dtype) -> float:
-    """One optimizer step over grad_accum micro-batches.
+def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype) -> torch.Tensor:
+    """One optimizer step of ``recipe`` over the configured micro-batches.
 
     Returns this rank's mean training loss as a device scalar (reading it would synchronize)."""
+    recipe.before_step(step)
+    args = recipe.forward_args(step)
+    accum = grad_accum_steps(cfg, info.world_size)
     total = torch.zeros((), device=info.device)
-    for _ in range(cfg.train.grad_accum):
+    for _ in range(accum):
         batch = loader.next_batch()
         with _autocast(info.device, dtype):
-            loss = model.loss(batch, args) / cfg.train.grad_accum
+            loss = model.loss(batch, args) / accum
+        loss.backward()
+        recipe.after_backward(batch)
+        total += loss.detach()
+    if not recipe.grads_reduced_by_optimizer:
+        distributed.all_reduce_mean_([p.grad for p in model.parameters() if p.grad is not None], info)
+    recipe.optimizer_step(step)
+    return total
+
+
+def train_step(model, optimizer, loader, step: int, args: ForwardArgs, cfg: RunConfig, info, dtype) -> torch.Tensor:
+    """One step of a plain optimizer (``step(i)``, ``zero_grad()``) with gradients averaged over
+    ranks; returns the mean loss as a device scalar.  Recipes go through :func:`run_step`."""
+    accum = grad_accum_steps(cfg, info.world_size)
+    total = torch.zeros((), device=info.device)
+    for _ in range(accum):
+        batch = loader.next_batch()
+        with _autocast(info.device, dtype):
+            loss = model.loss(batch, args) / accum
         loss.backward()
         total += loss.detach()
     distributed.all_reduce_mean_([p.grad for p in model.parameters() if p.grad is not None], info)
@@ -143,7 +183,7 @@ def train_step(model, optimizer, loader, step: int, args: ForwardArgs, cfg: RunC
 
 
 @torch.no_grad()
-def evaluate(model, val_files, cfg: RunConfig, info, dtype, per_rank: int) -> float:
+def evaluate(model, val_files, cfg: RunConfig, info, dtype, per_rank: int, args: ForwardArgs = ForwardArgs()) -> float:
     """Mean next-token cross entropy (nats) over ``val_tokens`` tokens of the validation shards."""
     from speedrun.data import ValLoader
 
@@ -152,12 +192,12 @@ def evaluate(model, val_files, cfg: RunConfig, info, dtype, per_rank: int) -> fl
         raise ConfigError(f"train.val_tokens={cfg.train.val_tokens} is smaller than one validation batch "
                           f"({per_rank} tokens x {info.world_size} ranks)")
     loader = ValLoader(val_files, num, per_rank, rank=info.rank, world_size=info.world_size,
-                       bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size, device=info.device)
+                       bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size, device=info.device,
+                       bigram_mod=getattr(model, "bigram_mod", None))
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), device=info.device, dtype=torch.float64)
     count = 0
-    args = ForwardArgs()
     for batch in loader:
         with _autocast(info.device, dtype):
             losses = model.per_token_loss(batch, args)
@@ -239,22 +279,21 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
 
     torch.manual_seed(cfg.train.seed)
     train_files, val_files, tokenizer = resolve_data(cfg)
-    stages = stages_of(cfg)
-    per_rank = [tokens_per_rank(s, cfg, info.world_size) for s in stages]
-    model = build_model(cfg.model).to(device)
-    if cfg.train.optimizer != "adam":
-        raise ConfigError(f"train.optimizer={cfg.train.optimizer!r} is not available for model.architecture="
-                          f"{cfg.model.architecture!r}; use adam")
-    from speedrun.optim.core import CoreOptimizer
+    from speedrun.train.recipes import build_recipe
 
-    optimizer = CoreOptimizer(model, cfg.train)
+    model = build_model(cfg.model).to(device)
+    recipe = build_recipe(cfg, model, info, tokenizer)
+    optimizer = recipe.optimizer
+    stages = recipe.stages
+    per_rank = [tokens_per_rank(s, cfg, info.world_size) for s in stages]
     run_model = torch.compile(model, dynamic=False) if cfg.train.compile else model
+    bigram_mod = getattr(model, "bigram_mod", None)
 
     def make_loader(stage_index: int):
         s = stages[stage_index]
         return TrainLoader(train_files, per_rank[stage_index], s.max_seq_len, rank=info.rank,
                            world_size=info.world_size, bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size,
-                           device=device)
+                           max_docs=cfg.train.max_docs or None, device=device, bigram_mod=bigram_mod)
 
     if not resume:
         log.print(f"seed: {cfg.train.seed}", console=False)
@@ -274,44 +313,56 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         opt_state = copy.deepcopy(optimizer.state_dict())
         for si, stage in enumerate(stages):
             loader = make_loader(si)
+            recipe.sync_to(stage.start_step)
             for i in range(cfg.train.warmup_steps):
-                train_step(run_model, optimizer, loader, stage.start_step + i, forward_args(stage), cfg, info, dtype)
+                run_step(run_model, recipe, loader, stage.start_step + i, cfg, info, dtype)
             loader.close()
-        evaluate(run_model, val_files, cfg, info, dtype, max(per_rank))
+        evaluate(run_model, val_files, cfg, info, dtype, max(per_rank), recipe.eval_args(0, final=False))
         model.load_state_dict(model_state)
         optimizer.load_state_dict(opt_state)
         optimizer.zero_grad()
+        recipe.sync_to(0)
         torch.manual_seed(cfg.train.seed)
         log.print("Resetting Model", console=False)
 
     total_steps = cfg.train.steps
     start_step, train_ms, last_val = 0, 0.0, float("nan")
-    stage_index = stage_at(stages, 0)
+    stage_index = recipe.stage_index(0)
     loader = make_loader(stage_index)
     if resume:
         ckpt = load_latest(run_dir, map_location=device)
         model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
         start_step, train_ms = ckpt["step"], ckpt["train_time_ms"]
-        stage_index = stage_at(stages, start_step)
+        if ckpt["optimizer"] is None:  # sharded: every rank kept its own part
+            optimizer.load_state_dict(load_rank_state(run_dir, start_step, info.rank, device)["optimizer"])
+        else:
+            optimizer.load_state_dict(ckpt["optimizer"])
+        stage_index = recipe.stage_index(start_step)
         loader.close()
         loader = make_loader(stage_index)
         loader.load_state_dict(ckpt["loaders"][info.rank])
         _set_rng_state(ckpt["rng"], device)
+        recipe.sync_to(max(start_step - 1, 0))
         log.print(f"Resumed from step {start_step} (train_time {train_ms:.0f}ms)")
+
+    sharded_optimizer = recipe.grads_reduced_by_optimizer and info.enabled
 
     def checkpoint(step: int) -> None:
         loaders = _gather_objects(loader.state_dict(), info)
+        if sharded_optimizer:
+            save_rank_state(run_dir, step, info.rank, {"optimizer": optimizer.state_dict()})
+            distributed.barrier(info)
         if info.is_main:
             save_checkpoint(run_dir, step, {
                 "step": step, "train_time_ms": train_ms, "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(), "loaders": loaders, "rng": _rng_state(device),
-                "config": cfg.to_dict(),
+                "optimizer": None if sharded_optimizer else optimizer.state_dict(), "loaders": loaders,
+                "rng": _rng_state(device), "config": cfg.to_dict(),
             })
         distributed.barrier(info)
 
     def validate(step: int) -> float:
-        loss = evaluate(run_model, val_files, cfg, info, dtype, max(per_rank))
+        args = recipe.eval_args(step, final=step == total_steps)
+        loss = evaluate(run_model, val_files, cfg, info, dtype, max(per_rank), args)
         avg = train_ms / max(step, 1)
         log.print(val_line(step, total_steps, loss, train_ms, avg))
         log.metric(event="val", step=step, val_loss=loss, train_time_ms=train_ms)
@@ -322,14 +373,15 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         last_val = validate(0)
     _sync(device)
     t0 = time.perf_counter()
+    recipe.on_clock_start()
     window_start, window_steps = t0, 0
     loss_acc = torch.zeros((), device=device)
     for step in range(start_step, total_steps):
-        si = stage_at(stages, step)
+        si = recipe.stage_index(step)
         if si != stage_index:
             stage_index = si
-            loader.set_shape(per_rank[si], stages[si].max_seq_len)
-        loss_acc += train_step(run_model, optimizer, loader, step, forward_args(stages[si]), cfg, info, dtype)
+            loader.set_shape(per_rank[si], stages[si].max_seq_len, cfg.train.max_docs or None)
+        loss_acc += run_step(run_model, recipe, loader, step, cfg, info, dtype)
         window_steps += 1
         done = step + 1
         is_last = done == total_steps
@@ -380,7 +432,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log.close()
     distributed.teardown()
-    return TrainResult(run_dir, total_steps, last_val, train_ms, sample, stopped)
+    return TrainResult(run_dir, total_steps, last_val, train_ms, sample, stopped, info.rank)
 
 
 def _sample(model, tokenizer, cfg: RunConfig, device) -> str:

@@ -138,9 +138,18 @@ def test_scaled_mm_matches_emulation_on_gpu():
     b = quantize_tensorwise(torch.randn(768, 512, device="cuda") * 0.05, 1.6 / 448, torch.float8_e4m3fn)
     got = scaled_mm(a, b.t().contiguous().t(), 100 / 448, 1.6 / 448, torch.float32)
     want = (a.float() @ b.float()) * (100 / 448 * 1.6 / 448)
-    assert rel(got, want) < 1e-5
+    # Hopper's FP8 tensor cores accumulate with fewer than fp32's bits even without fast
+    # accumulation (measured 1.3e-4 here), so the emulation is exact only up to that.
+    assert rel(got, want) < 1e-3
     # row-major B is accepted (copied into column-major)
-    assert rel(scaled_mm(a, b, 100 / 448, 1.6 / 448, torch.float32), want) < 1e-5
+    assert rel(scaled_mm(a, b, 100 / 448, 1.6 / 448, torch.float32), want) < 1e-3
+
+
+def test_transpose_fp8_on_gpu():
+    from speedrun.kernels.cross_entropy import transpose_fp8
+
+    x = torch.randn(4100, 50304, device="cuda").to(torch.float8_e5m2)
+    assert torch.equal(transpose_fp8(x).view(torch.uint8), x.t().contiguous().view(torch.uint8))
 
 
 def test_eval_at_record_shape():
@@ -148,3 +157,26 @@ def test_eval_at_record_shape():
     got = softcapped_ce_eval(x, w, targets, vocab_size=VOCAB, chunk_rows=1000)
     want = softcapped_multitoken_ce_reference(x @ w, targets, [1.0], vocab_size=VOCAB)
     assert rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_fused_head_under_torch_compile(use_fp8):
+    if use_fp8 and not fp8_supported("cuda"):
+        pytest.skip("needs FP8 tensor cores (sm89+)")
+    x, w, targets, prefix = head(1024, seed=7)
+    mtp = torch.tensor(MTP, device="cuda")
+    pw = torch.tensor([0.25], device="cuda")
+
+    def step(xx, ww):
+        losses = fused_softcapped_ce(xx, ww, targets, mtp, prefix, pw, use_fp8=use_fp8, vocab_size=VOCAB)
+        return losses.sum() * 0.5
+
+    results = []
+    for fn in (step, torch.compile(step)):
+        xx = x.clone().requires_grad_(True)
+        ww = w.clone().requires_grad_(True)
+        loss = fn(xx, ww)
+        loss.backward()
+        results.append((loss.detach(), xx.grad, ww.grad))
+    for a, b in zip(*results):
+        assert rel(a, b) < 1e-3

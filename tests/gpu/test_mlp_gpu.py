@@ -23,6 +23,7 @@ from speedrun.kernels.fp8_cache import (  # noqa: E402
     quantize_dual_layout,
     quantize_dual_layout_reference,
 )
+import speedrun.kernels.mlp as mlp_module  # noqa: E402
 from speedrun.kernels.mlp import (  # noqa: E402
     MLPScaleState,
     relu2_gemm,
@@ -46,6 +47,15 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.fixture(params=[True, False], ids=["tma", "pointer"])
+def kernel_kind(request):
+    """Run a test with the TMA persistent GEMM and with the pointer GEMM."""
+    old = mlp_module.USE_TMA
+    mlp_module.USE_TMA = request.param
+    yield request.param
+    mlp_module.USE_TMA = old
 
 
 def _poison(*shape, dtype):
@@ -76,7 +86,7 @@ def _mlp_inputs(seed):
     return x, w1, w2, gy
 
 
-def test_relu2_gemm_forward_bf16_and_fp8():
+def test_relu2_gemm_forward_bf16_and_fp8(kernel_kind):
     x, w1, _, _ = _mlp_inputs(2)
     out = _poison(T, H, dtype=torch.bfloat16)
     r = relu2_gemm(x, w1, out=out)
@@ -100,7 +110,7 @@ def test_relu2_gemm_forward_bf16_and_fp8():
     assert abs(r.amax.item() - rr.amax.item()) / rr.amax.item() < 1e-2
 
 
-def test_relu2_gemm_backward_fp8_aux():
+def test_relu2_gemm_backward_fp8_aux(kernel_kind):
     x, w1, w2, gy = _mlp_inputs(3)
     post = relu2_gemm_reference(x, w1).out
     ref = relu2_gemm_reference(gy, w2.t(), aux=post)
@@ -122,7 +132,7 @@ def test_relu2_gemm_backward_fp8_aux():
 
 
 @pytest.mark.parametrize("mode,bound_y,bound_g", [("bf16", 1e-2, 1e-2), ("fp8_fwd", 8e-2, 8e-2), ("fp8_full", 8e-2, 0.12)])
-def test_relu2_mlp_modes_record_shape(mode, bound_y, bound_g):
+def test_relu2_mlp_modes_record_shape(mode, bound_y, bound_g, kernel_kind):
     x, w1, w2, gy = _mlp_inputs(4)
     xs, w1s, w2s = (t.clone().requires_grad_() for t in (x, w1, w2))
     y_ref = relu2_mlp_reference(xs, w1s, w2s)
@@ -161,3 +171,23 @@ def test_weight_cache_update_cycle():
     deq = e.data.float() * e.scale[:, None, None]
     assert rel(deq, bank[:, 1].detach()) < 4e-2
     assert not cache.saturated("w2").any()
+
+
+def test_mlp_uses_per_layer_views_of_a_cached_bank():
+    """Per-matrix scales come out as 0-d views; _scaled_mm must accept them (alignment)."""
+    g = torch.Generator(device=DEV).manual_seed(6)
+    bank = (torch.randn(4, 2, H, D, device=DEV, generator=g) / D**0.5).bfloat16()  # W2 stored (H, D)
+    cache = FP8WeightCache()
+    cache.refresh({"w1": bank[:, 0], "w2": bank[:, 1]})
+    x, _, _, gy = _mlp_inputs(7)
+    layer = 2
+    w1, w2 = bank[layer, 0], bank[layer, 1].t()
+    pair = (cache.get("w1")[layer], cache.get("w2")[layer].t())
+    xs, w1s, w2s = (t.clone().requires_grad_() for t in (x, w1, w2))
+    relu2_mlp_reference(xs, w1s, w2s).backward(gy)
+    xk, w1k, w2k = (t.clone().requires_grad_() for t in (x, w1, w2))
+    y = relu2_mlp(xk, w1k, w2k, mode="fp8_full", cache=pair)
+    y.backward(gy)
+    assert rel(y, relu2_mlp_reference(x, w1, w2)) < 8e-2
+    for got, want in ((xk.grad, xs.grad), (w1k.grad, w1s.grad), (w2k.grad, w2s.grad)):
+        assert rel(got, want) < 0.12

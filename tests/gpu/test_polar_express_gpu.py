@@ -74,8 +74,12 @@ def test_polar_express_triton_vs_torch(shape):
     assert X.dtype == torch.bfloat16 and X.shape == G.shape
     assert rel(X, Y) < 0.1
     assert rel(pe.polar_express(G, steps=1), pe.polar_express_reference(G, steps=1)) < 2e-2
-    lo, hi = pe._spectral_bounds(X)
-    assert 0.7 < lo and hi < 1.25
+    s = torch.linalg.svdvals(X.float())
+    # Square Gaussian matrices have singular values near 0 that 5 steps cannot lift; the bulk must
+    # sit near 1 and nothing may exceed it by much.
+    assert s.max() < 1.25 and 0.8 < s.median() < 1.2
+    if shape[-1] != shape[-2]:
+        assert s.min() > 0.7
 
 
 def test_mantissa_bit_ops_on_cuda():

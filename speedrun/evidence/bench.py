@@ -1,0 +1,325 @@
+"""``speedrun bench step``: time one optimizer step of several arms at one stage's shapes.
+
+Each arm (a preset plus overrides, see :mod:`speedrun.evidence.arms`) gets its own model,
+optimizer and loader, built once with the same pieces :func:`speedrun.train.loop.train` uses.
+Every arm is warmed up first (compilation and autotuning happen there, untimed); then the arms
+are timed interleaved, ``A B C A B C ...``, so slow drifts of the node (clocks, temperature)
+hit every arm alike.  A step is timed from an idle device: synchronize, record a CUDA event, run
+:func:`~speedrun.train.loop.train_step` (all ``grad_accum`` micro-batches, the gradient
+all-reduce and the optimizer update), record a second event, synchronize.  On the CPU the step is
+timed with ``time.perf_counter``.  Under torchrun every rank times its steps and a step's time is
+the maximum over ranks (the slowest rank sets the pace).
+
+Reported per arm: median, quartiles and IQR of the step time (ms) and global tokens per second at
+the median; for each arm after the first, the ratio of its median to the first arm's median with
+a paired bootstrap 95% confidence interval (repetitions resampled with replacement, the same
+indices for both arms, because repetition ``i`` of both arms ran back to back).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from speedrun import distributed
+from speedrun.config import RunConfig, Stage
+from speedrun.errors import ConfigError
+from speedrun.evidence.arms import ArmSpec
+
+MIN_STEPS = 20  # the CLI's floor; fewer steps make the median and the bootstrap too coarse
+
+
+# ----------------------------------------------------------------------------------------------
+# A training session: the pieces of train() for one arm, at one stage's shapes
+
+
+def resolve_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
+    """The autocast dtype train() uses: ``train.dtype`` (bf16/fp32), or bf16 on CUDA / fp32 on CPU."""
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.train.dtype)
+    if dtype is None:
+        if cfg.train.dtype != "auto":
+            raise ConfigError(f"train.dtype must be bf16, fp32 or auto, got {cfg.train.dtype!r}")
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return dtype
+
+
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig):
+    """The optimizer train() would build (the loop's own builder when it has one)."""
+    from speedrun.train import loop
+
+    builder = getattr(loop, "build_optimizer", None)
+    if builder is not None:
+        return builder(model, cfg)
+    if cfg.train.optimizer != "adam":
+        raise ConfigError(f"train.optimizer={cfg.train.optimizer!r} is not available here; use adam")
+    from speedrun.optim.core import CoreOptimizer
+
+    return CoreOptimizer(model, cfg.train)
+
+
+@dataclass
+class Session:
+    """One arm ready to step: model (and its compiled form), optimizer, loader at ``stage``."""
+
+    name: str
+    cfg: RunConfig
+    stage: Stage
+    model: torch.nn.Module
+    run_model: Any
+    optimizer: Any
+    loader: Any
+    info: Any
+    dtype: torch.dtype
+    next_step: int = 0
+    times_ms: list[float] = field(default_factory=list)
+
+    def step(self) -> torch.Tensor:
+        """One optimizer step (see train_step); returns the loss as a device scalar."""
+        from speedrun.train.loop import forward_args, train_step
+
+        loss = train_step(self.run_model, self.optimizer, self.loader, self.next_step, forward_args(self.stage),
+                          self.cfg, self.info, self.dtype)
+        self.next_step += 1
+        return loss
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def build_session(name: str, cfg: RunConfig, stage_index: int, info) -> Session:
+    """Build ``cfg``'s model, optimizer and a loader at ``stages_of(cfg)[stage_index]``'s shapes."""
+    from speedrun.data import TrainLoader
+    from speedrun.model import build_model
+    from speedrun.train.loop import resolve_data, stages_of, tokens_per_rank
+
+    cfg.model.validate()
+    stages = stages_of(cfg)
+    if not -len(stages) <= stage_index < len(stages):
+        raise ConfigError(f"arm {name!r}: --stage {stage_index} is out of range; the config has "
+                          f"{len(stages)} stage(s) (0..{len(stages) - 1})")
+    stage = stages[stage_index]
+    device = info.device
+    dtype = resolve_dtype(cfg, device)
+    train_files, _, _ = resolve_data(cfg)
+    per_rank = tokens_per_rank(stage, cfg, info.world_size)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model).to(device)
+    optimizer = build_optimizer(model, cfg)
+    run_model = torch.compile(model, dynamic=False) if cfg.train.compile else model
+    loader = TrainLoader(train_files, per_rank, stage.max_seq_len, rank=info.rank, world_size=info.world_size,
+                         bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size, device=device)
+    return Session(name, cfg, stage, model, run_model, optimizer, loader, info, dtype, next_step=stage.start_step)
+
+
+def time_step(session: Session) -> float:
+    """Milliseconds of one optimizer step of ``session``, started from an idle device."""
+    device = session.info.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        session.step()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
+    t0 = time.perf_counter()
+    session.step()
+    return (time.perf_counter() - t0) * 1000.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics (pure)
+
+
+def describe_times(times_ms: Sequence[float]) -> dict[str, float]:
+    """median, q1, q3, iqr, mean, min, max (all ms) of step times."""
+    t = np.asarray(times_ms, dtype=np.float64)
+    if t.size == 0:
+        raise ValueError("no step times")
+    q1, med, q3 = np.percentile(t, [25, 50, 75])
+    return {"n": int(t.size), "median_ms": float(med), "q1_ms": float(q1), "q3_ms": float(q3),
+            "iqr_ms": float(q3 - q1), "mean_ms": float(t.mean()), "min_ms": float(t.min()), "max_ms": float(t.max())}
+
+
+def bootstrap_ratio_ci(base_ms: Sequence[float], cand_ms: Sequence[float], *, n_boot: int = 2000,
+                       level: float = 0.95, seed: int = 0) -> dict[str, float]:
+    """Ratio median(cand) / median(base) with a paired percentile-bootstrap CI.
+
+    ``base_ms[i]`` and ``cand_ms[i]`` are repetition ``i`` of the two arms (run back to back), so
+    repetitions are resampled as pairs.  Returns ``ratio``, ``ci_low``, ``ci_high``, ``level``,
+    ``n_boot``.  Deterministic for a given ``seed``.
+    """
+    a = np.asarray(base_ms, dtype=np.float64)
+    b = np.asarray(cand_ms, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1 or a.size < 2:
+        raise ValueError(f"need two equally long series of >= 2 times, got {a.shape} and {b.shape}")
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, a.size, size=(n_boot, a.size))
+    ratios = np.median(b[idx], axis=1) / np.median(a[idx], axis=1)
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(ratios, [alpha, 1 - alpha])
+    return {"ratio": float(np.median(b) / np.median(a)), "ci_low": float(lo), "ci_high": float(hi),
+            "level": level, "n_boot": n_boot}
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def _as_configs(arms: Sequence[ArmSpec | tuple[str, RunConfig]], common: Sequence[str]) -> list[tuple[str, RunConfig, dict]]:
+    out = []
+    for a in arms:
+        if isinstance(a, ArmSpec):
+            out.append((a.name, a.config(common), a.to_dict()))
+        else:
+            name, cfg = a
+            out.append((name, cfg, {"name": name, "preset": cfg.name, "overrides": []}))
+    names = [n for n, _, _ in out]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"arm names must differ, got {names}")
+    return out
+
+
+def _gather_max(times: list[float], info) -> list[float]:
+    if not info.enabled:
+        return times
+    gathered: list = [None] * info.world_size
+    torch.distributed.all_gather_object(gathered, times)
+    return [max(col) for col in zip(*gathered)]
+
+
+def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 0, steps: int = MIN_STEPS,
+               warmup: int = 3, common: Sequence[str] = (), seed: int = 0, n_boot: int = 2000,
+               progress: bool = False) -> dict[str, Any]:
+    """Time ``steps`` optimizer steps per arm, interleaved, after ``warmup`` untimed steps each.
+
+    ``arms``: ArmSpecs (``common`` overrides are applied to each before its own) or
+    ``(name, RunConfig)`` pairs; the first arm is the baseline of the ratios.  ``stage`` indexes
+    ``stages_of(cfg)``.  Returns a JSON-able dict (see :func:`render_table`); every rank returns
+    the same numbers.
+    """
+    if not arms:
+        raise ConfigError("bench step needs at least one arm")
+    if steps < 2 or warmup < 0:
+        raise ConfigError(f"--steps must be >= 2 and --warmup >= 0, got {steps} and {warmup}")
+    configs = _as_configs(arms, common)
+    devices = {cfg.train.device for _, cfg, _ in configs}
+    if len(devices) > 1:
+        raise ConfigError(f"all arms must use one train.device, got {sorted(devices)}")
+    info = distributed.setup(configs[0][1].train.device)
+    sessions: list[Session] = []
+    try:
+        for name, cfg, _ in configs:
+            sessions.append(build_session(name, cfg, stage, info))
+        for s in sessions:
+            for _ in range(warmup):
+                s.step()
+            distributed.barrier(info)
+        for rep in range(steps):
+            for s in sessions:
+                s.times_ms.append(time_step(s))
+            if progress and info.is_main and (rep + 1) % 10 == 0:
+                print(f"  {rep + 1}/{steps} repetitions", flush=True)
+        times = {s.name: _gather_max(s.times_ms, info) for s in sessions}
+    finally:
+        for s in sessions:
+            s.close()
+    distributed.teardown()
+    result = _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info)
+    del sessions
+    if info.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info) -> dict[str, Any]:
+    from speedrun.evidence.fingerprint import node_fingerprint
+
+    base = sessions[0].name
+    out_arms = []
+    for (name, cfg, spec), s in zip(configs, sessions):
+        st = s.stage
+        d = describe_times(times[name])
+        entry = {
+            **spec,
+            "stage": {"index": stage, "batch_tokens": st.batch_tokens, "max_seq_len": st.max_seq_len,
+                      "window_short": st.window_short, "window_long": st.window_long},
+            "grad_accum": cfg.train.grad_accum,
+            "compile": cfg.train.compile,
+            "dtype": str(s.dtype).replace("torch.", ""),
+            "parameters": sum(p.numel() for p in s.model.parameters()),
+            **d,
+            "tokens_per_s": st.batch_tokens / (d["median_ms"] / 1000.0),
+            "times_ms": times[name],
+            "config": cfg.to_dict(),
+        }
+        if name != base:
+            entry["vs_" + base] = bootstrap_ratio_ci(times[base], times[name], n_boot=n_boot, seed=seed)
+        out_arms.append(entry)
+    warnings = []
+    if steps < MIN_STEPS:
+        warnings.append(f"only {steps} timed steps per arm (>= {MIN_STEPS} recommended)")
+    return {
+        "baseline": base,
+        "stage": stage,
+        "steps": steps,
+        "warmup": warmup,
+        "device": str(info.device),
+        "world_size": info.world_size,
+        "timing": "cuda events, synchronized per step" if info.device.type == "cuda" else "perf_counter",
+        "order": "interleaved: " + " ".join(s.name for s in sessions) + " ...",
+        "arms": out_arms,
+        "warnings": warnings,
+        "fingerprint": node_fingerprint(measure=False) if info.is_main else None,
+    }
+
+
+def render_table(result: dict[str, Any]) -> str:
+    """A plain-text table of a :func:`bench_step` result."""
+    base = result["baseline"]
+    head = f"{'arm':<16} {'median ms':>10} {'q1':>9} {'q3':>9} {'IQR':>8} {'tokens/s':>13}  ratio vs {base} [95% CI]"
+    lines = [f"bench step: stage {result['stage']}, {result['steps']} steps per arm after {result['warmup']} "
+             f"warmup, {result['device']} x{result['world_size']}, {result['timing']}", head, "-" * len(head)]
+    for a in result["arms"]:
+        r = a.get("vs_" + base)
+        ratio = f"{r['ratio']:.4f} [{r['ci_low']:.4f}, {r['ci_high']:.4f}]" if r else "1 (baseline)"
+        lines.append(f"{a['name']:<16} {a['median_ms']:>10.3f} {a['q1_ms']:>9.3f} {a['q3_ms']:>9.3f} "
+                     f"{a['iqr_ms']:>8.3f} {a['tokens_per_s']:>13,.0f}  {ratio}")
+    for w in result["warnings"]:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines) + "\n"
+
+
+def write_json(result: dict[str, Any], path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return p
+
+
+def cli_bench_step(args) -> int:
+    """``speedrun bench step`` (arguments from speedrun.cli.evidence)."""
+    from speedrun.evidence.arms import data_overrides, parse_arms
+
+    if args.steps < MIN_STEPS:
+        raise ConfigError(f"--steps must be >= {MIN_STEPS} (the median and its confidence interval need them), "
+                          f"got {args.steps}")
+    arms = parse_arms(args.arm)
+    common = data_overrides(args.data, args.val_data) + (["train.device=" + args.device] if args.device else []) \
+        + list(args.overrides)
+    result = bench_step(arms, stage=args.stage, steps=args.steps, warmup=args.warmup, common=common,
+                        seed=args.seed, progress=True)
+    if result["fingerprint"] is None:  # not rank 0
+        return 0
+    print(render_table(result), end="")
+    if args.json:
+        print(f"written: {write_json(result, args.json)}")
+    return 0

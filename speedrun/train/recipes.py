@@ -1,0 +1,188 @@
+"""Recipes: what changes from step to step, and which optimizer updates the weights.
+
+The training loop is one code path; a recipe supplies the schedule around it:
+
+- :class:`CoreRecipe` - AdamW with a trapezoid LR over ``TrainConfig.stages`` (or one stage made
+  from the flat fields), gradients averaged across ranks by the loop.
+- :class:`RecordRecipe` - the record's staged schedule (:class:`~speedrun.optim.schedule.RecordSchedule`:
+  batch size, sequence cap, windows, YaRN, MTP and prefix weights, LR and momentum), NorMuon +
+  Adam with its per-label table (the optimizer does its own sharded communication), tied
+  embed/lm_head until the split step, the prefix-token table filled when the clock starts.
+
+Interface used by the loop: ``stages``, ``stage_index(step)``, ``forward_args(step)``,
+``eval_args(step, final)``, ``before_step(step)``, ``after_backward(batch)``,
+``optimizer_step(step)``, ``on_clock_start()``, ``sync_to(step)`` (after a reset or resume),
+``grads_reduced_by_optimizer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from speedrun.config import RunConfig, Stage
+from speedrun.errors import ConfigError
+from speedrun.model.interface import ForwardArgs
+
+
+def _stage_index(stages: list[Stage], step: int) -> int:
+    index = 0
+    for i, s in enumerate(stages):
+        if s.start_step <= step:
+            index = i
+    return index
+
+
+def _ramp(value, t: float) -> float:
+    """A stage weight given as a number or an (start, end) pair, at fraction ``t`` of the stage."""
+    if isinstance(value, (tuple, list)):
+        a, b = value
+        return a + (b - a) * t
+    return float(value)
+
+
+class CoreRecipe:
+    grads_reduced_by_optimizer = False
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, info, tokenizer=None):
+        from speedrun.optim.core import CoreOptimizer
+
+        t = cfg.train
+        if t.optimizer != "adam":
+            raise ConfigError(f"train.optimizer={t.optimizer!r} needs train.schedule=record; the trapezoid "
+                              f"schedule uses adam")
+        if t.stages:
+            self.stages = sorted(t.stages, key=lambda s: s.start_step)
+        else:
+            window = t.window or None
+            self.stages = [Stage(0, t.batch_tokens, t.max_seq_len, window, window)]
+        self.total = t.steps
+        self.model = model
+        self.optimizer = CoreOptimizer(model, t)
+
+    def stage_index(self, step: int) -> int:
+        return _stage_index(self.stages, step)
+
+    def forward_args(self, step: int) -> ForwardArgs:
+        i = self.stage_index(step)
+        s = self.stages[i]
+        end = self.stages[i + 1].start_step if i + 1 < len(self.stages) else self.total
+        frac = (step - s.start_step) / max(1, end - s.start_step)
+        return ForwardArgs(window_short=s.window_short, window_long=s.window_long,
+                           mtp_weights=tuple(_ramp(w, frac) for w in s.mtp_weights),
+                           prefix_weight=_ramp(s.prefix_weight, frac))
+
+    def eval_args(self, step: int, final: bool) -> ForwardArgs:
+        s = self.stages[self.stage_index(min(step, self.total - 1))]
+        return ForwardArgs(window_short=s.window_short, window_long=s.window_long)
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_backward(self, batch) -> None:
+        pass
+
+    def optimizer_step(self, step: int) -> None:
+        self.optimizer.step(step)
+
+    def on_clock_start(self) -> None:
+        pass
+
+    def sync_to(self, step: int) -> None:
+        pass
+
+
+def record_stages_scaled(batch_divisor: int, seq_divisor: int):
+    """The record's stage table with batch sizes and sequence caps divided (for shrunken runs)."""
+    from speedrun.optim.schedule import RECORD_STAGES
+
+    if batch_divisor < 1 or seq_divisor < 1:
+        raise ConfigError("train.batch_divisor and train.seq_divisor must be >= 1")
+    return tuple(dataclasses.replace(s, batch_tokens=s.batch_tokens // batch_divisor,
+                                     max_seq_len=s.max_seq_len // seq_divisor) for s in RECORD_STAGES)
+
+
+class RecordRecipe:
+    """See the module docstring.  ``cfg.train.steps`` = scheduled + ``cfg.train.num_extension``."""
+
+    grads_reduced_by_optimizer = True
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, info, tokenizer=None):
+        from speedrun.optim.normuon import NorMuonAndAdam, OptimizerHyper, record_param_table
+        from speedrun.optim.schedule import RecordSchedule
+
+        t = cfg.train
+        if cfg.model.architecture != "record":
+            raise ConfigError("train.schedule=record needs model.architecture=record")
+        if t.optimizer != "normuon":
+            raise ConfigError(f"train.schedule=record uses train.optimizer=normuon, got {t.optimizer!r}")
+        scheduled = t.steps - t.num_extension
+        self.schedule = RecordSchedule(
+            scheduled, t.num_extension, stages=record_stages_scaled(t.batch_divisor, t.seq_divisor),
+            block_size=t.window_block,
+        )
+        self.stages = self.schedule.to_config_stages()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        model.sync_embed_from_lm_head()
+        hyper = OptimizerHyper(adam_lr=t.lr, muon_lr=t.muon_lr)
+        self.optimizer = NorMuonAndAdam(model.parameter_groups(), record_param_table(), hyper=hyper,
+                                        schedule=self.schedule, tied=("lm_head", "embed"))
+        self._long_window = None
+
+    def stage_index(self, step: int) -> int:
+        return self.schedule.at(min(step, self.schedule.total_steps - 1)).stage_index
+
+    def forward_args(self, step: int) -> ForwardArgs:
+        s = self.schedule.at(step)
+        return ForwardArgs(window_short=s.window_short, window_long=s.window_long,
+                           mtp_weights=tuple(s.mtp_weights), prefix_weight=float(s.prefix_weight))
+
+    def eval_args(self, step: int, final: bool) -> ForwardArgs:
+        s = self.schedule.at(min(step, self.schedule.total_steps - 1))
+        if final:  # the record widens the long window for the last evaluation without a YaRN update
+            short, long = self.schedule.final_eval_windows()
+            return ForwardArgs(window_short=short, window_long=long)
+        return ForwardArgs(window_short=s.window_short, window_long=s.window_long)
+
+    def _set_long_window(self, window: int) -> None:
+        if self._long_window is not None and window != self._long_window:
+            self.model.apply_yarn(self._long_window, window)
+        self._long_window = window
+
+    def before_step(self, step: int) -> None:
+        self._set_long_window(self.schedule.at(step).window_long)
+
+    def sync_to(self, step: int) -> None:
+        """Put YaRN in the state it has at ``step`` (after a reset, a warmup or a resume)."""
+        self.model.reset_yarn()
+        self._long_window = None
+        for s in range(0, step + 1):
+            w = self.schedule.at(min(s, self.schedule.total_steps - 1)).window_long
+            self._set_long_window(w)
+
+    def after_backward(self, batch) -> None:
+        if getattr(batch, "bigram", None) is not None:
+            self.optimizer.mark_rows("bigram_embed", batch.bigram)
+
+    def optimizer_step(self, step: int) -> None:
+        self.optimizer.step(step)
+
+    def on_clock_start(self) -> None:
+        """The record builds the prefix table inside the timed region."""
+        from speedrun.model.prefix_table import build_prefix_table
+
+        if self.tokenizer is None:
+            return
+        table = build_prefix_table(self.tokenizer, self.model.vocab)
+        self.model.set_prefix_table(table)
+
+
+def build_recipe(cfg: RunConfig, model, info, tokenizer=None):
+    if cfg.train.schedule == "trapezoid":
+        return CoreRecipe(cfg, model, info, tokenizer)
+    if cfg.train.schedule == "record":
+        return RecordRecipe(cfg, model, info, tokenizer)
+    raise ConfigError(f"unknown train.schedule {cfg.train.schedule!r}; known: trapezoid, record")

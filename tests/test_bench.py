@@ -1,0 +1,120 @@
+"""speedrun bench step on the CPU: arm syntax, statistics, and two tiny arms end to end."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from speedrun.cli import main
+from speedrun.errors import ConfigError
+from speedrun.evidence.arms import ArmSpec, parse_arm, parse_arms
+from speedrun.evidence.bench import bootstrap_ratio_ci, describe_times
+
+SMALL = ["model.num_layers=1", "model.model_dim=64", "model.num_heads=2", "model.qk_head_dim=16",
+         "model.v_head_dim=32", "train.batch_tokens=1024", "train.max_seq_len=128"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(builtin_cache, monkeypatch):
+    monkeypatch.setenv("SPEEDRUN_CACHE_DIR", str(builtin_cache))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # On a shared 2-core machine two intra-op threads fight other processes: 10x slower steps.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_arm_syntax():
+    a = parse_arm("cand=tiny:model.qk_head_dim=16,train.lr=1e-3")
+    assert a == ArmSpec("cand", "tiny", ("model.qk_head_dim=16", "train.lr=1e-3"))
+    assert parse_arm("tiny") == ArmSpec("tiny", "tiny", ())
+    # JSON values keep their commas; top-level fields need no section.
+    s = parse_arm('x=tiny:train.stages=[[0, 512, 64, 16, 16]],name=foo,train.steps=7')
+    assert s.overrides == ("train.stages=[[0, 512, 64, 16, 16]]", "name=foo", "train.steps=7")
+    cfg = parse_arm("c=tiny:model.qk_head_dim=16,train.lr=1e-3").config(["train.lr=5e-3", "train.steps=9"])
+    assert cfg.model.qk_head_dim == 16 and cfg.train.lr == 1e-3 and cfg.train.steps == 9  # arm wins over common
+    for bad in ("=tiny", "a b=tiny", "a=tiny:", "a=tiny:lr"):
+        with pytest.raises(ConfigError):
+            parse_arm(bad)
+    with pytest.raises(ConfigError, match="repeated: a"):
+        parse_arms(["a=tiny", "a=small"])
+    with pytest.raises(ConfigError, match="unknown preset"):
+        parse_arm("a=nosuch").config()
+    with pytest.raises(ConfigError, match="unknown setting"):
+        parse_arm("a=tiny:train.nosuch=1").config()
+
+
+def test_statistics():
+    d = describe_times([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert (d["median_ms"], d["q1_ms"], d["q3_ms"], d["iqr_ms"]) == (3.0, 2.0, 4.0, 2.0)
+    rng = np.random.default_rng(1)
+    a = 10 + rng.random(30)
+    exact = bootstrap_ratio_ci(a, 2 * a)
+    assert exact["ratio"] == pytest.approx(2.0) and exact["ci_low"] == pytest.approx(2.0)
+    assert exact["ci_high"] == pytest.approx(2.0)
+    b = 11 + rng.random(30)
+    r = bootstrap_ratio_ci(a, b, seed=3)
+    assert r == bootstrap_ratio_ci(a, b, seed=3)  # seeded
+    assert r["ci_low"] < r["ratio"] < r["ci_high"]
+    assert r["ratio"] == pytest.approx(np.median(b) / np.median(a))
+    with pytest.raises(ValueError):
+        bootstrap_ratio_ci(a, b[:-1])
+
+
+def test_bench_step_two_arms_table_and_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["bench", "step", "--arm", "base=tiny", "--arm", "cand=tiny:model.qk_head_dim=32,model.mlp_ratio=2",
+            "--steps", "20", "--warmup", "1", "--json", str(out)]
+    for s in SMALL:
+        args += ["--set", s]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "base" in text and "cand" in text and "1 (baseline)" in text and "[" in text
+    res = json.loads(out.read_text())
+    assert [a["name"] for a in res["arms"]] == ["base", "cand"] and res["steps"] == 20
+    base, cand = res["arms"]
+    assert len(base["times_ms"]) == len(cand["times_ms"]) == 20
+    assert all(t > 0 for t in base["times_ms"] + cand["times_ms"])
+    assert base["median_ms"] == pytest.approx(float(np.median(base["times_ms"])))
+    assert base["tokens_per_s"] == pytest.approx(1024 / (base["median_ms"] / 1000))
+    assert base["config"]["model"]["qk_head_dim"] == 16 and cand["config"]["model"]["qk_head_dim"] == 32
+    r = cand["vs_base"]
+    assert r["ci_low"] <= r["ratio"] <= r["ci_high"]
+    assert r["ratio"] == pytest.approx(cand["median_ms"] / base["median_ms"])
+
+
+def test_bench_stage_selection_and_errors(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    stages = "train.stages=[[0, 512, 64, 32, 32], [5, 1024, 128, 64, 64]]"
+    args = ["bench", "step", "--arm", "a=tiny", "--stage", "1", "--steps", "20", "--warmup", "0",
+            "--json", str(out), "--set", stages, "--set", "train.grad_accum=2"] + [x for s in SMALL for x in ("--set", s)]
+    assert main(args) == 0
+    arm = json.loads(out.read_text())["arms"][0]
+    assert arm["stage"]["max_seq_len"] == 128 and arm["stage"]["batch_tokens"] == 1024 and arm["grad_accum"] == 2
+    capsys.readouterr()
+    assert main(args[:6] + ["--stage", "2"] + args[8:]) == 2
+    assert "out of range" in capsys.readouterr().err
+    assert main(["bench", "step", "--arm", "a=tiny", "--steps", "5"]) == 2
+    assert ">= 20" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_", [False, True])
+def test_bench_step_on_gpu(tmp_path, compile_):
+    """On a GPU: CUDA-event timing, bf16, optionally torch.compile (compiled in the untimed warmup)."""
+    from speedrun.evidence.bench import bench_step
+
+    common = SMALL + ["train.device=cuda", f"train.compile={str(compile_).lower()}"]
+    res = bench_step(parse_arms(["base=tiny", "wide=tiny:model.mlp_ratio=8"]), steps=20, warmup=3, common=common)
+    assert res["timing"].startswith("cuda events") and res["device"].startswith("cuda")
+    base, wide = res["arms"]
+    assert base["dtype"] == "bfloat16" and base["compile"] is compile_
+    assert all(0 < t < 1000 for t in base["times_ms"] + wide["times_ms"])
+    r = wide["vs_base"]
+    assert r["ci_low"] <= r["ratio"] <= r["ci_high"]
+    assert res["fingerprint"]["gpu_name"]

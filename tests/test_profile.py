@@ -1,0 +1,185 @@
+"""speedrun profile: the shape -> FLOPs/bytes model, ncu parsing, and a CPU profile end to end."""
+
+import json
+
+import pytest
+import torch
+
+from speedrun.cli import main
+from speedrun.errors import EnvironmentProblem
+from speedrun.evidence import profile as prof
+from speedrun.evidence.profile import Ceilings, OpCost, dtype_bytes, kernel_key, op_cost, parse_ncu_csv
+
+SMALL = ["model.num_layers=1", "model.model_dim=64", "model.num_heads=2", "model.qk_head_dim=16",
+         "model.v_head_dim=32", "train.batch_tokens=1024", "train.max_seq_len=128"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(builtin_cache, monkeypatch):
+    monkeypatch.setenv("SPEEDRUN_CACHE_DIR", str(builtin_cache))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_dtype_names():
+    assert dtype_bytes("c10::BFloat16") == 2 and dtype_bytes("float") == 4 and dtype_bytes("long int") == 8
+    assert dtype_bytes("c10::Float8_e4m3fn") == 1 and dtype_bytes("torch.bfloat16") == 2
+    assert dtype_bytes("Scalar") is None and dtype_bytes("TensorList") is None
+    assert dtype_bytes("mystery", 4) == 4
+
+
+def test_gemm_model():
+    M, K, N = 96, 64, 48
+    assert op_cost("aten::mm", [[M, K], [K, N]], ["c10::BFloat16"] * 2) == \
+        OpCost("gemm", 2 * M * N * K, (M * K + K * N + M * N) * 2)
+    assert op_cost("aten::mm", [[M, K], [K, N]], ["float", "float"]).bytes == (M * K + K * N + M * N) * 4
+    # addmm: bias read as well; scalars (beta, alpha) ignored.
+    c = op_cost("aten::addmm", [[N], [M, K], [K, N], [], []], ["float", "float", "float", "Scalar", "Scalar"])
+    assert c == OpCost("gemm", 2 * M * N * K, (N + M * K + K * N + M * N) * 4)
+    B = 3
+    c = op_cost("aten::bmm", [[B, M, K], [B, K, N]], ["c10::BFloat16"] * 2)
+    assert c == OpCost("gemm", 2 * B * M * N * K, B * (M * K + K * N + M * N) * 2)
+    # FP8 operands, bf16 output; scales are 0-d tensors (4 bytes each, counted as inputs are not)
+    c = op_cost("aten::_scaled_mm", [[M, K], [K, N], [], []], ["c10::Float8_e4m3fn"] * 2 + ["float", "float"])
+    assert c == OpCost("gemm", 2 * M * N * K, M * K + K * N + M * N * 2)
+    with pytest.raises(ValueError, match=r"\(M,K\) x \(K,N\)"):
+        op_cost("aten::mm", [[M, K], [K + 1, N]], None)
+    # Without dtypes the default applies.
+    assert op_cost("aten::mm", [[M, K], [K, N]], None, default_dtype="bfloat16").bytes == (M * K + K * N + M * N) * 2
+
+
+def test_memory_op_models():
+    n = 1024 * 768
+    assert op_cost("aten::copy_", [[1024, 768], [1024, 768], []], ["c10::BFloat16", "float", "Scalar"]) == \
+        OpCost("copy", 0.0, n * (2 + 4))
+    # broadcast multiply: read both inputs, write the full-size output
+    c = op_cost("aten::mul", [[1024, 768], [768]], ["float", "float"])
+    assert c == OpCost("elementwise", n, (n + 768 + n) * 4)
+    # in-place add with a scalar: read and write the tensor
+    assert op_cost("aten::add_", [[1024, 768], [], []], ["c10::BFloat16", "Scalar", "Scalar"]).bytes == 2 * n * 2
+    c = op_cost("aten::native_layer_norm", [[1024, 768], [], [768], [768], []],
+                ["c10::BFloat16", "ScalarList", "c10::BFloat16", "c10::BFloat16", "Scalar"])
+    assert c.kind == "norm" and c.bytes == 2 * n * 2 + 2 * 768 * 2
+    assert op_cost("aten::_log_softmax", [[1024, 768], [], []], ["float", "Scalar", "Scalar"]).bytes == 2 * n * 4
+    assert op_cost("aten::sum", [[1024, 768], []], ["float", ""]).bytes == n * 4
+    assert op_cost("aten::embedding", [[50304, 768], [8, 1024]], ["float", "long int"]) is None
+
+
+def test_floor_uses_the_binding_ceiling():
+    c = Ceilings(tflops=100.0, tbps=2.0)
+    big = OpCost("gemm", 2e12, 1e9)  # compute bound: 2e12 / 1e14 = 20 ms
+    assert c.floor_us(big, "aten::mm") == pytest.approx(20_000)
+    assert c.floor_us(big, "aten::_scaled_mm") == pytest.approx(10_000)  # FP8 at twice the bf16 rate
+    thin = OpCost("gemm", 2e6, 4e9)  # memory bound: 4e9 / 2e12 = 2 ms
+    assert c.floor_us(thin, "aten::mm") == pytest.approx(2_000)
+    assert c.floor_us(OpCost("elementwise", 1e12, 2e9)) == pytest.approx(1_000)  # vector FLOPs ignored
+    assert Ceilings().floor_us(big) is None
+
+
+def test_profiler_grouping_counts_each_call_once():
+    a, b = torch.randn(64, 32), torch.randn(32, 16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as p:
+        for _ in range(3):
+            torch.mm(a, b)
+        torch.nn.functional.linear(a, b.t())  # composite: its inner mm is the 4th call
+    groups = prof.group_events(p.events(), "cpu", "float32", Ceilings(1.0, 1.0))
+    mm = [g for g in groups if g.name == "aten::mm" and g.shapes == [[64, 32], [32, 16]]]
+    assert len(mm) == 1 and mm[0].calls == 4
+    assert all(g.cost is None for g in groups if g.name in ("aten::linear", "aten::matmul"))
+    assert mm[0].cost == OpCost("gemm", 2 * 64 * 32 * 16, (64 * 32 + 32 * 16 + 64 * 16) * 4)
+    # 1 TFLOP/s and 1 TB/s: compute-bound (65536 FLOPs > 14336 bytes per call)
+    assert mm[0].floor_us == pytest.approx(4 * 2 * 64 * 32 * 16 / 1e12 * 1e6)
+    assert all(g.recoverable_us is None or g.recoverable_us >= 0 for g in groups)
+    assert not any(g.name.startswith("ProfilerStep") for g in groups)
+
+
+NCU_CSV = """==PROF== Connected to process 123
+==PROF== Profiling "kern": 0%....50%....100% - 1 pass
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","123","python","h","void at::native::vectorized_elementwise_kernel<4, at::native::AddFunctor<float>>(int, T1)","1","7","(128, 1, 1)","(10, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","1,048,576"
+"0","123","python","h","void at::native::vectorized_elementwise_kernel<4, at::native::AddFunctor<float>>(int, T1)","1","7","(128, 1, 1)","(10, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","524,288"
+"1","123","python","h","void at::native::vectorized_elementwise_kernel<4, at::native::MulFunctor<float>>(int, T1)","1","7","(128, 1, 1)","(10, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","Kbyte","2"
+"1","123","python","h","void at::native::vectorized_elementwise_kernel<4, at::native::MulFunctor<float>>(int, T1)","1","7","(128, 1, 1)","(10, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","0"
+"2","123","python","h","_ce_fwd_bwd_kernel","1","7","(128, 1, 1)","(10, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","100"
+"2","123","python","h","_ce_fwd_bwd_kernel","1","7","(128, 1, 1)","(10, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","nsecond","5"
+"""
+
+
+def test_ncu_csv_parsing_and_command(monkeypatch, tmp_path):
+    assert kernel_key("void at::native::f<4, float>(int, float*)") == "at::native::f"
+    assert kernel_key("triton_poi_fused_add_0") == "triton_poi_fused_add_0"
+    got = parse_ncu_csv(NCU_CSV)
+    ew = got["at::native::vectorized_elementwise_kernel"]
+    assert ew["launches"] == 2
+    assert ew["dram_read_bytes"] == 1_048_576 + 2000 and ew["dram_write_bytes"] == 524_288
+    assert got["_ce_fwd_bwd_kernel"] == {"kernel": "_ce_fwd_bwd_kernel", "launches": 1,
+                                         "dram_read_bytes": 100.0, "dram_write_bytes": 0.0}
+    with pytest.raises(ValueError, match="header"):
+        parse_ncu_csv("==PROF== nothing profiled\n")
+    cmd = prof.ncu_command("/x/ncu", tmp_path / "o.csv", ["python", "-m", "m"])
+    assert cmd[:3] == ["/x/ncu", "--clock-control", "none"]
+    assert "dram__bytes_read.sum,dram__bytes_write.sum" in cmd and "--profile-from-start" in cmd
+    assert cmd[-3:] == ["python", "-m", "m"]
+    monkeypatch.setattr(prof.shutil, "which", lambda name: None)
+    with pytest.raises(EnvironmentProblem, match="ncu"):
+        prof.find_ncu()
+
+
+def test_profile_cli_on_cpu_writes_markdown_png_json(tmp_path, capsys):
+    out = tmp_path / "prof"
+    args = ["profile", "--arm", "t=tiny", "--steps", "2", "--warmup", "1", "--out", str(out),
+            "--peak-tflops", "0.2", "--peak-tbps", "0.05"] + [x for s in SMALL for x in ("--set", s)]
+    assert main(args) == 0
+    screen = capsys.readouterr().out
+    assert "Known ops, ranked by recoverable time" in screen
+    md = (out / "profile.md").read_text()
+    assert "aten::mm" in md and "![roofline](roofline.png)" in md
+    assert (out / "roofline.png").stat().st_size > 1000
+    rep = json.loads((out / "profile.json").read_text())
+    assert rep["steps"] == 2 and rep["ceilings"]["source"] == "given"
+    mms = [r for r in rep["ops"] if r["op"] == "aten::mm"]
+    assert mms and all(r["flops"] > 0 and r["floor_us"] > 0 for r in mms)
+    for r in rep["ops"]:
+        if r["recoverable_us"] is not None:
+            assert r["recoverable_us"] == pytest.approx(max(0.0, r["time_us"] - r["floor_us"]))
+    # One model: the head GEMM (tokens x dim) @ (dim x padded vocab) appears with its exact FLOPs.
+    head = [r for r in mms if r["shapes"][:2] == [[1024, 64], [64, 384]]]
+    assert head and head[0]["flops"] == head[0]["calls"] * 2 * 1024 * 64 * 384
+    capsys.readouterr()
+    assert main(args + ["--ncu"]) == 2  # no ncu / no GPU here: a clear error, never a crash
+    err = capsys.readouterr().err
+    assert "ncu" in err or "CUDA" in err
+
+
+@pytest.mark.gpu
+def test_profile_on_gpu_attributes_kernels_and_measures_ceilings(tmp_path):
+    """On a GPU: kernels are attributed to the ops that launched them, ceilings are measured."""
+    report = prof.profile_steps("t=tiny", common=SMALL + ["train.device=cuda"], steps=2, warmup=2)
+    assert report.ceilings.source == "measured" and report.ceilings.tflops > 50 and report.ceilings.tbps > 0.5
+    assert report.kernels and all(k["time_us"] > 0 for k in report.kernels)
+    mms = [g for g in report.groups if g.name in ("aten::mm", "aten::addmm") and g.cost is not None]
+    assert mms and all(g.kernels for g in mms)
+    assert all(g.cost.flops > 0 and g.floor_us > 0 for g in mms)
+    assert sum(g.time_us for g in report.groups) <= report.total_us * 1.01  # no kernel counted twice
+    assert any(k.get("needed_bytes") for k in report.kernels)
+    paths = prof.write_profile(report, tmp_path / "p")
+    assert "## Kernels, by time" in paths["markdown"].read_text()
+
+
+@pytest.mark.gpu
+def test_profile_ncu_on_gpu(tmp_path):
+    """With Nsight Compute on PATH: measured DRAM bytes per kernel next to the bytes needed."""
+    import shutil
+
+    if shutil.which("ncu") is None:
+        pytest.skip("ncu not on PATH")
+    report = prof.profile_steps("t=tiny", common=SMALL + ["train.device=cuda"], steps=1, warmup=1, ncu=True)
+    assert report.ncu and any(r["dram_read_bytes"] > 0 for r in report.ncu.values())
+    md = prof.render_markdown(report)
+    assert "measured vs needed" in md
