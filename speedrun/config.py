@@ -225,7 +225,47 @@ def small() -> RunConfig:
     )
 
 
-PRESETS: dict[str, typing.Callable[[], RunConfig]] = {"tiny": tiny, "small": small}
+def record() -> RunConfig:
+    """The f411b3d record recipe (recipe spec §1-§6): 11 layers, 768 wide, 6 heads of 128, NorMuon +
+    Adam, three stages plus 15 extension steps (1285), 8 micro-batches on one GPU (8 // world_size
+    under torchrun), on GPT-2 tokenized FineWeb shards in data/fineweb10B/."""
+    return RunConfig(
+        name="record",
+        model=ModelConfig(
+            vocab_size=50257, num_layers=11, model_dim=768, num_heads=6, qk_head_dim=128, v_head_dim=128,
+            architecture="record",
+        ),
+        data=DataConfig(
+            source="shards", tokenizer="gpt2", bos_id=50256,
+            train_files="data/fineweb10B/fineweb_train_*.bin", val_files="data/fineweb10B/fineweb_val_*.bin",
+        ),
+        train=TrainConfig(
+            steps=1285, num_extension=15, schedule="record", optimizer="normuon", grad_accum=0,
+            lr=0.008, muon_lr=0.023, val_every=250, val_tokens=10485760, log_every=1, warmup_steps=2,
+            compile=True, dtype="bf16", sample_prompt="The", sample_tokens=0,
+        ),
+    )
+
+
+def tiny_record() -> RunConfig:
+    """The record recipe's code path shrunk for a CPU: 6 layers of 64 wide, 4 heads of 16, byte-level
+    built-in corpus, the record's three stages with batches / 64, sequence caps / 8 and windows in
+    16-token blocks, 96 + 6 steps."""
+    return RunConfig(
+        name="tiny-record",
+        model=ModelConfig(num_layers=6, model_dim=64, num_heads=4, qk_head_dim=16, v_head_dim=16,
+                          architecture="record"),
+        train=TrainConfig(
+            steps=102, num_extension=6, schedule="record", optimizer="normuon", grad_accum=1,
+            lr=0.008, muon_lr=0.023, batch_divisor=64, seq_divisor=8, window_block=16,
+            val_every=34, val_tokens=16384, log_every=6, sample_tokens=100,
+        ),
+    )
+
+
+PRESETS: dict[str, typing.Callable[[], RunConfig]] = {
+    "tiny": tiny, "small": small, "record": record, "tiny-record": tiny_record,
+}
 
 
 def preset(name: str) -> RunConfig:

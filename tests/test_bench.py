@@ -97,7 +97,7 @@ def test_bench_stage_selection_and_errors(tmp_path, capsys):
     arm = json.loads(out.read_text())["arms"][0]
     assert arm["stage"]["max_seq_len"] == 128 and arm["stage"]["batch_tokens"] == 1024 and arm["grad_accum"] == 2
     capsys.readouterr()
-    assert main(args[:6] + ["--stage", "2"] + args[8:]) == 2
+    assert main(args[:4] + ["--stage", "2"] + args[6:]) == 2
     assert "out of range" in capsys.readouterr().err
     assert main(["bench", "step", "--arm", "a=tiny", "--steps", "5"]) == 2
     assert ">= 20" in capsys.readouterr().err

@@ -99,6 +99,67 @@ def test_profiler_grouping_counts_each_call_once():
     assert not any(g.name.startswith("ProfilerStep") for g in groups)
 
 
+
+def _fake_op(name, shapes, dtypes, kernels):
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Kernel
+
+    return SimpleNamespace(name=name, input_shapes=shapes, input_dtypes=dtypes, device_type=DeviceType.CPU,
+                           is_async=False, is_user_annotation=False, self_cpu_time_total=1.0,
+                           kernels=[Kernel(k, 0, us) for k, us in kernels])
+
+
+def _fake_kernel(name, us):
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    return SimpleNamespace(name=name, device_type=DeviceType.CUDA, time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+
+def test_gpu_attribution_and_report_from_fake_events(tmp_path):
+    """The GPU branch (kernel time per op, host copies, needed bytes per kernel, ncu table) on
+    hand-made profiler events, so it is checked without a GPU."""
+    bf = "c10::BFloat16"
+    gemm = "void cutlass::Kernel2<cutlass_80_gemm_bf16>(Params)"
+    ev = [
+        _fake_op("aten::mm", [[4096, 768], [768, 3072]], [bf, bf], [(gemm, 30.0)]),
+        _fake_op("aten::mm", [[4096, 768], [768, 3072]], [bf, bf], [(gemm, 34.0)]),
+        _fake_op("aten::add", [[4096, 768], [4096, 768]], [bf, bf], [("void at::native::ew<4>(int)", 10.0)]),
+        _fake_op("aten::copy_", [[4096, 768], [4096, 768], []], [bf, bf, "Scalar"],
+                 [("Memcpy HtoD (Pinned -> Device)", 50.0)]),
+        _fake_op("aten::linear", [[4096, 768], [3072, 768]], [bf, bf], []),  # composite: no own kernels
+        _fake_op("ProfilerStep#3", [], [], [("x", 1.0)]),
+    ]
+    ceil = Ceilings(tflops=800.0, tbps=4.0, source="given")
+    groups = prof.group_events(ev, "cuda", "bfloat16", ceil)
+    by = {g.name: g for g in groups}
+    assert set(by) == {"aten::mm", "aten::add", "aten::copy_ (host copy)"}
+    mm = by["aten::mm"]
+    assert mm.calls == 2 and mm.time_us == 64.0 and mm.kernels == {gemm: 64.0}
+    flops = 2 * 4096 * 768 * 3072
+    assert mm.floor_us == pytest.approx(2 * flops / 800e12 * 1e6)  # compute bound
+    assert mm.recoverable_us == pytest.approx(64.0 - mm.floor_us)
+    assert by["aten::copy_ (host copy)"].cost is None  # PCIe, not HBM: no floor
+    need = prof.kernel_needed_bytes(groups)
+    assert need[gemm] == pytest.approx(2 * (4096 * 768 + 768 * 3072 + 4096 * 3072) * 2)
+    kernels = prof.kernel_table(ev + [_fake_kernel(gemm, 30.0), _fake_kernel(gemm, 34.0),
+                                      _fake_kernel("triton_red_fused_0", 5.0)])
+    assert kernels[0] == {"kernel": gemm, "calls": 2, "time_us": 64.0}
+    for k in kernels:
+        k["needed_bytes"] = need.get(k["kernel"])
+    report = prof.ProfileReport("t", "cuda:0", 2, ceil, groups, kernels, total_us=69.0)
+    report.ncu = {"cutlass::Kernel2": {"kernel": "cutlass::Kernel2", "launches": 2,
+                                       "dram_read_bytes": 3.0 * need[gemm], "dram_write_bytes": 0.0}}
+    paths = prof.write_profile(report, tmp_path / "p")
+    md = paths["markdown"].read_text()
+    assert "## Kernels, by time" in md and "triton_red_fused_0" in md
+    assert "| `cutlass::Kernel2` | 1 |" in md and "| 3.00 |" in md  # measured / needed
+    assert (tmp_path / "p" / "roofline.png").stat().st_size > 1000
+
+
 NCU_CSV = """==PROF== Connected to process 123
 ==PROF== Profiling "kern": 0%....50%....100% - 1 pass
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"

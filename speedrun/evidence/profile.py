@@ -231,6 +231,9 @@ class OpGroup:
         return self.cost.flops * self.calls / s / 1e12, self.cost.bytes * self.calls / s / 1e12
 
 
+_HOST_COPY = re.compile(r"^Memcpy (HtoD|DtoH|HtoH|PtoP)|^Memcpy .*(Pageable|Pinned)")
+
+
 def _is_annotation(evt) -> bool:
     return bool(getattr(evt, "is_user_annotation", False)) or evt.name.startswith("ProfilerStep")
 
@@ -255,12 +258,14 @@ def group_events(events: Iterable, device: str, default_dtype: str, ceilings: Ce
             continue
         shapes = [list(s) if isinstance(s, (list, tuple)) else s for s in (evt.input_shapes or [])]
         dtypes = list(getattr(evt, "input_dtypes", None) or [])
-        key = (evt.name, json.dumps(shapes), json.dumps(dtypes))
+        # Host<->device copies run at PCIe/NVLink-C2C speed, not HBM speed: no HBM floor for them.
+        host = any(_HOST_COPY.match(k) for k, _ in kernels)
+        key = (evt.name, json.dumps(shapes), json.dumps(dtypes), host)
         g = groups.get(key)
         if g is None:
-            g = groups[key] = OpGroup(evt.name, shapes, dtypes)
+            g = groups[key] = OpGroup(evt.name + (" (host copy)" if host else ""), shapes, dtypes)
             try:
-                g.cost = op_cost(evt.name, shapes, dtypes or None, default_dtype)
+                g.cost = None if host else op_cost(evt.name, shapes, dtypes or None, default_dtype)
             except ValueError:
                 g.cost = None
         g.calls += 1

@@ -127,14 +127,14 @@ def record_param_table() -> list[ParamGroupSpec]:
         ParamGroupSpec("mudd_gate_w1", "adam", "replicated", b99, lr_mul=0.1),
         ParamGroupSpec("mudd_gate_w2", "adam", "replicated", b99, lr_mul=0.1),
         ParamGroupSpec("mudd_gate_b2", "adam", "replicated", b99, lr_mul=0.1, wd_mul=0.0),
-        ParamGroupSpec("_mudd_gate_scale", "adam", "replicated", b99, lr_mul=0.1, wd_mul=0.0),
+        ParamGroupSpec("mudd_gate_scale", "adam", "replicated", b99, lr_mul=0.1, wd_mul=0.0),
     ]
 
 
 # Update order: small parameters first while the large reductions are still in flight; lm_head
 # before embed (tied copy); the Polar Express banks last.
 RECORD_WORK_ORDER: tuple[str, ...] = (
-    "scalars", "smear_gate", "ve_gate_bank", "mudd_b2", "mudd_gate_b2", "_mudd_gate_scale",
+    "scalars", "smear_gate", "ve_gate_bank", "mudd_b2", "mudd_gate_b2", "mudd_gate_scale",
     "post_lambdas", "resid_lambdas", "mudd_w2", "mudd_gate_w2", "value_embeds", "bigram_embed",
     "mudd_w1", "mudd_gate_w1", "lm_head", "embed", "qk_bank", "vo_bank", "mlp_bank",
 )

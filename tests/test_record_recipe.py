@@ -1,0 +1,68 @@
+"""The record recipe's training path (RecordGPT + NorMuon/Adam + RecordSchedule) on the CPU."""
+
+import json
+
+import pytest
+import torch
+
+from speedrun.config import apply_overrides, preset
+from speedrun.optim.schedule import RecordSchedule
+from speedrun.train.checkpoint import list_checkpoints
+from speedrun.train.loop import stages_of, train
+from speedrun.train.recipes import record_stages_scaled
+
+
+@pytest.fixture(autouse=True)
+def _cache(builtin_cache, monkeypatch):
+    monkeypatch.setenv("SPEEDRUN_CACHE_DIR", str(builtin_cache))
+
+
+def tiny_record(tmp_path, *extra):
+    cfg = preset("tiny-record")
+    apply_overrides(cfg, ["model.num_layers=4", "model.model_dim=32", "model.num_heads=2", "model.qk_head_dim=12",
+                          "train.batch_divisor=256", "train.steps=21", "train.num_extension=3",
+                          "train.val_tokens=2048", "train.val_every=0", "train.log_every=3",
+                          f"out_dir={tmp_path / 'runs'}", *extra])
+    return cfg
+
+
+def test_record_stages_scale_and_follow_the_schedule():
+    cfg = preset("record")
+    stages = stages_of(cfg)
+    assert [s.start_step for s in stages] == [0, 423, 847, 1270]
+    assert [s.batch_tokens for s in stages] == [131072, 262144, 393216, 393216]
+    assert [(s.window_short, s.window_long) for s in stages] == [(128, 384), (384, 896), (640, 1408), (768, 1664)]
+    small = record_stages_scaled(64, 8)
+    assert [s.batch_tokens for s in small] == [2048, 4096, 6144, 6144]
+    assert [s.max_seq_len for s in small] == [112, 256, 256, 256]
+    sched = RecordSchedule(18, 3, stages=small, block_size=16)
+    assert sched.at(6).window_long == 7 * 16 and sched.at(6).yarn_change
+
+
+def test_tiny_record_recipe_learns(tmp_path):
+    cfg = tiny_record(tmp_path, "train.val_every=21")
+    result = train(cfg, console=False)
+    metrics = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    vals = [m["val_loss"] for m in metrics if m["event"] == "val"]
+    assert len(vals) == 2 and vals[-1] < vals[0] - 1.0, vals
+    log = (result.run_dir / "log.txt").read_text()
+    assert "step:21/21 val_loss:" in log
+
+
+def test_tiny_record_resume_equals_uninterrupted(tmp_path):
+    cfg = tiny_record(tmp_path, "train.checkpoint_every=5", "train.steps=12")
+    whole = train(cfg, console=False)
+    cut = train(tiny_record(tmp_path, "train.checkpoint_every=5", "train.steps=12"), console=False, stop_after=10)
+    resumed = train(cfg, run_dir=cut.run_dir, resume=True, console=False)
+    a = torch.load(list_checkpoints(whole.run_dir)[-1], weights_only=False)["model"]
+    b = torch.load(list_checkpoints(resumed.run_dir)[-1], weights_only=False)["model"]
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_record_schedule_needs_the_record_network(tmp_path):
+    from speedrun.errors import ConfigError
+
+    cfg = tiny_record(tmp_path, "model.architecture=core")
+    with pytest.raises(ConfigError, match="architecture=record"):
+        train(cfg, console=False)
