@@ -73,6 +73,10 @@ class ModelConfig:
     architecture: str = "core"
     # Attention backend name (see speedrun.attention); "auto" picks the best available.
     attention_backend: str = "auto"
+    # Loss head and MLP implementation of the record network: "reference" (plain PyTorch),
+    # "triton" (fused Triton CE and ReLU^2 MLP in bf16), "fp8" (the record baseline: FP8 lm_head
+    # and FP8 MLP forward), "fp8_full" (FP8 lm_head and FP8 across the MLP forward and backward).
+    kernels: str = "reference"
 
     @property
     def padded_vocab_size(self) -> int:
@@ -233,7 +237,7 @@ def record() -> RunConfig:
         name="record",
         model=ModelConfig(
             vocab_size=50257, num_layers=11, model_dim=768, num_heads=6, qk_head_dim=128, v_head_dim=128,
-            architecture="record",
+            architecture="record", kernels="fp8",
         ),
         data=DataConfig(
             source="shards", tokenizer="gpt2", bos_id=50256,

@@ -311,6 +311,10 @@ class RecordGPT(nn.Module):
         self.eval_ce_impl = softcapped_ce_eval_plain
         self.mlp_impl = relu2_mlp_plain
         self.dc_impl = dc_postonly_correction
+        if model_cfg.kernels != "reference":
+            from speedrun.model.kernel_hooks import install_kernels
+
+            install_kernels(self, model_cfg.kernels)
         self._backends: dict[torch.device, object] = {}
 
     # ------------------------------------------------------------------------------------------
@@ -644,9 +648,9 @@ class RecordGPT(nn.Module):
                         x = self._add_bigram(x, xb, gates["bigram"][i])
             h = _norm(x)
             if mu is not None:
-                x = mu[12] * x + mu[13] * self.mlp_impl(h, self.mlp_bank[i, 0], self.mlp_bank[i, 1])
+                x = mu[12] * x + mu[13] * self.mlp_impl(h, self.mlp_bank[i, 0], self.mlp_bank[i, 1], layer=i)
             else:
-                x = rm[i] * x + pm[i] * self.mlp_impl(h, self.mlp_bank[i, 0], self.mlp_bank[i, 1])
+                x = rm[i] * x + pm[i] * self.mlp_impl(h, self.mlp_bank[i, 0], self.mlp_bank[i, 1], layer=i)
             if i == a.skip_from:
                 cache_skip = x
             if i == a.saved_layer:

@@ -39,8 +39,9 @@ def bigram_sign_index(inputs: torch.Tensor, rows: int) -> torch.Tensor:
 # MLP and loss
 
 
-def relu2_mlp_plain(x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor) -> torch.Tensor:
+def relu2_mlp_plain(x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor, layer: int | None = None) -> torch.Tensor:
     """``relu(x @ w_fcᵀ)² @ w_proj``: x (T, D), w_fc (H, D), w_proj (H, D) -> (T, D) in x.dtype.
+    ``layer`` (unused here) lets stateful kernels keep per-layer scales.
 
     Both weights are stored (hidden, model) as in the record's ``mlp_bank``.  A fused kernel taking
     ``w2`` as (D, H) plugs in as ``lambda x, w1, w2: kernel(x, w1, w2.t())``.

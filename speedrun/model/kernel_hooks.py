@@ -1,0 +1,79 @@
+"""Plug the fused kernels into the record network's hooks (``ce_impl``, ``mlp_impl``).
+
+Modes (``ModelConfig.kernels``):
+
+- ``triton``: fused Triton softcapped multi-token CE (bf16 head GEMMs) and the fused ReLU^2 MLP
+  kernel in bf16;
+- ``fp8``: the record baseline: FP8 lm_head (static tensorwise scales, e5m2 gradients) and the
+  MLP with an FP8 forward (``relu2_mlp(mode="fp8_fwd")``);
+- ``fp8_full``: FP8 lm_head and FP8 across all MLP GEMMs (``mode="fp8_full"``).
+
+The MLP keeps one :class:`~speedrun.kernels.mlp.MLPScaleState` per layer (delayed activation
+scales).  Weights are quantised with current scaling on each call for now; the per-update FP8
+weight cache (:mod:`speedrun.kernels.fp8_cache`) is the next step.  The kernels want bf16
+activations: fp32 inputs (CPU runs) are cast to bf16 around the call and back.  The record's
+softmax runs over the padded vocabulary, so the head passes ``vocab_size=None``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speedrun.errors import ConfigError
+
+MODES = ("reference", "triton", "fp8", "fp8_full")
+
+
+class FusedHead:
+    """``ce_impl`` with the signature of ``record_parts.softcapped_mtp_ce``."""
+
+    def __init__(self, use_fp8: bool):
+        self.use_fp8 = use_fp8
+
+    def __call__(self, h, lm_head, targets, mtp_weights, prefix_targets, prefix_weight, *, softcap):
+        from speedrun.kernels.cross_entropy import fused_softcapped_ce
+
+        dtype = torch.bfloat16 if (self.use_fp8 or h.device.type == "cuda") else h.dtype
+        x = h.to(dtype).contiguous()
+        w = lm_head.to(dtype).contiguous()
+        return fused_softcapped_ce(x, w, targets, tuple(float(m) for m in mtp_weights), prefix_targets,
+                                   float(prefix_weight), use_fp8=self.use_fp8, vocab_size=None, softcap=softcap)
+
+
+class FusedMLP:
+    """``mlp_impl(x, w_fc (H, D), w_proj (H, D), layer)`` through :func:`speedrun.kernels.mlp.relu2_mlp`."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.scales: dict[int, object] = {}
+
+    def __call__(self, x, w_fc, w_proj, layer: int | None = None):
+        from speedrun.kernels.fp8_cache import FP8Weight, quantize_current
+        from speedrun.kernels.mlp import MLPScaleState, relu2_mlp
+
+        in_dtype = x.dtype
+        dtype = torch.bfloat16 if in_dtype not in (torch.bfloat16, torch.float16) else in_dtype
+        w1, w2 = w_fc.to(dtype), w_proj.to(dtype)
+        scales = cache = None
+        if self.mode != "bf16":
+            key = -1 if layer is None else layer
+            if key not in self.scales:
+                self.scales[key] = MLPScaleState.create(x.device)
+            scales = self.scales[key]
+            # Both layouts of each weight from one quantisation; w_proj is stored (H, D), so its
+            # (D, H) view is the transposed entry.
+            c1 = FP8Weight(*quantize_current(w1.detach()))
+            c2 = FP8Weight(*quantize_current(w2.detach())).t()
+            cache = (c1, c2)
+        y = relu2_mlp(x.to(dtype), w1, w2.t(), mode=self.mode, scales=scales, cache=cache)
+        return y.to(in_dtype)
+
+
+def install_kernels(model, mode: str) -> None:
+    """Set ``model.ce_impl`` and ``model.mlp_impl`` for ``mode`` (see the module docstring)."""
+    if mode not in MODES:
+        raise ConfigError(f"model.kernels={mode!r}; known: {', '.join(MODES)}")
+    if mode == "reference":
+        return
+    model.ce_impl = FusedHead(use_fp8=mode != "triton")
+    model.mlp_impl = FusedMLP({"triton": "bf16", "fp8": "fp8_fwd", "fp8_full": "fp8_full"}[mode])
