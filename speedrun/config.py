@@ -166,6 +166,7 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "auto"  # "bf16" | "fp32" | "auto" (bf16 on CUDA, fp32 on CPU)
     compile: bool = False
+    preflight: bool = False  # run `speedrun doctor` checks first and refuse a broken environment
     sample_tokens: int = 200
     sample_prompt: str = "The "
     stages: list = field(default_factory=list)  # list[Stage]; empty = one stage from the fields above
@@ -246,7 +247,7 @@ def record() -> RunConfig:
         train=TrainConfig(
             steps=1285, num_extension=15, schedule="record", optimizer="normuon", grad_accum=0,
             lr=0.008, muon_lr=0.023, val_every=250, val_tokens=10485760, log_every=1, warmup_steps=2,
-            compile=True, dtype="bf16", sample_prompt="The", sample_tokens=0,
+            compile=True, dtype="bf16", sample_prompt="The", sample_tokens=0, preflight=True,
         ),
     )
 

@@ -60,6 +60,7 @@ def test_show_config_applies_flags():
     (["train", "--data", "/nonexistent/*_train_*.bin"], "no train shard matches"),
     (["train", "--resume", "/nonexistent/run"], "cannot resume"),
     (["train", "--set", "model.model_dim=100"], "model_dim"),
+    (["train", "--preset", "record"], "not ready"),
 ])
 def test_bad_input_exits_with_one_clear_line(args, needle, tmp_path):
     out = speedrun(*args, "--out", str(tmp_path))

@@ -47,6 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run folder from its newest checkpoint")
     p.add_argument("--show-config", action="store_true", help="print the resolved configuration and exit")
     p.add_argument("--quiet", action="store_true", help="no console progress (the log file is still written)")
+    p.add_argument("--no-preflight", action="store_true",
+                   help="skip the environment checks a timed preset (record) runs before compiling")
     p.set_defaults(func=run)
 
 
@@ -91,6 +93,18 @@ def build_config(args: argparse.Namespace):
     return cfg
 
 
+def preflight(cfg) -> None:
+    """Refuse to start a timed run on an environment `speedrun doctor` finds broken."""
+    from speedrun.errors import EnvironmentProblem
+    from speedrun.evidence.doctor import run_doctor
+
+    report = run_doctor(require_gpu=True, data_glob=cfg.data.train_files or None, measure=False)
+    if report.blocking:
+        problems = "; ".join(f"{what}: {fix}" for what, fix in report.blocking)
+        raise EnvironmentProblem(f"preset {cfg.name!r} is a timed GPU run and this environment is not ready: "
+                                 f"{problems} (run 'speedrun doctor' for details, or --no-preflight to start anyway)")
+
+
 def run(args: argparse.Namespace) -> int:
     from speedrun.config import RunConfig
     from speedrun.errors import ConfigError
@@ -108,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         if args.show_config:
             print(cfg.to_json())
             return 0
+        if cfg.train.preflight and not args.no_preflight:
+            preflight(cfg)
         result = train(cfg, console=not args.quiet)
     if result.rank != 0:
         return 0

@@ -282,10 +282,15 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     from speedrun.train.recipes import build_recipe
 
     model = build_model(cfg.model).to(device)
+    if dtype == torch.bfloat16 and hasattr(model, "cast_to_record_dtypes"):
+        model.cast_to_record_dtypes(torch.bfloat16)  # bf16 weights, fp32 scalars (NorMuon tracks mantissas)
     recipe = build_recipe(cfg, model, info, tokenizer)
     optimizer = recipe.optimizer
     stages = recipe.stages
     per_rank = [tokens_per_rank(s, cfg, info.world_size) for s in stages]
+    if hasattr(model, "warm_tables"):  # RoPE tables must exist before compiling
+        recipe.max_tokens = max(per_rank)
+        model.warm_tables(max(per_rank), device)
     run_model = torch.compile(model, dynamic=False) if cfg.train.compile else model
     bigram_mod = getattr(model, "bigram_mod", None)
 

@@ -131,6 +131,7 @@ class RecordRecipe:
         self.optimizer = NorMuonAndAdam(model.parameter_groups(), record_param_table(), hyper=hyper,
                                         schedule=self.schedule, tied=("lm_head", "embed"))
         self._long_window = None
+        self.max_tokens = 0  # set by the loop: the largest micro-batch, for rebuilding RoPE tables
 
     def stage_index(self, step: int) -> int:
         return self.schedule.at(min(step, self.schedule.total_steps - 1)).stage_index
@@ -150,6 +151,8 @@ class RecordRecipe:
     def _set_long_window(self, window: int) -> None:
         if self._long_window is not None and window != self._long_window:
             self.model.apply_yarn(self._long_window, window)
+            if self.max_tokens:
+                self.model.warm_tables(self.max_tokens, self.model.lm_head.device)
         self._long_window = window
 
     def before_step(self, step: int) -> None:
@@ -158,6 +161,8 @@ class RecordRecipe:
     def sync_to(self, step: int) -> None:
         """Put YaRN in the state it has at ``step`` (after a reset, a warmup or a resume)."""
         self.model.reset_yarn()
+        if self.max_tokens:
+            self.model.warm_tables(self.max_tokens, self.model.lm_head.device)
         self._long_window = None
         for s in range(0, step + 1):
             w = self.schedule.at(min(s, self.schedule.total_steps - 1)).window_long
