@@ -92,7 +92,8 @@ def test_bench_stage_selection_and_errors(tmp_path, capsys):
     out = tmp_path / "b.json"
     stages = "train.stages=[[0, 512, 64, 32, 32], [5, 1024, 128, 64, 64]]"
     args = ["bench", "step", "--arm", "a=tiny", "--stage", "1", "--steps", "20", "--warmup", "0",
-            "--json", str(out), "--set", stages, "--set", "train.grad_accum=2"] + [x for s in SMALL for x in ("--set", s)]
+            "--json", str(out), "--set", stages, "--set", "train.grad_accum=2"]
+    args += [x for s in SMALL for x in ("--set", s)]
     assert main(args) == 0
     arm = json.loads(out.read_text())["arms"][0]
     assert arm["stage"]["max_seq_len"] == 128 and arm["stage"]["batch_tokens"] == 1024 and arm["grad_accum"] == 2

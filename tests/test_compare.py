@@ -126,3 +126,25 @@ def test_compare_cli(tmp_path, capsys):
     assert m["seeds"] == [3, 5] and m["fingerprints"][0]["matmul_bf16_tflops"] is None
     assert main(args[:3] + ["--seeds", "x"] + args[5:]) == 2
     assert "--seeds" in capsys.readouterr().err
+
+
+def test_restart_decisions_without_training(tmp_path):
+    """A run that finished before the manifest said so is done; stray folders are never reused."""
+    from speedrun.evidence.compare import _next_action
+
+    m = {"plan": make_plan(["a", "b"], [0]), "events": []}
+    done_dir = tmp_path / "runs" / "a-seed0-try1"
+    done_dir.mkdir(parents=True)
+    (done_dir / "summary.json").write_text(json.dumps({"final_val_loss": 4.5, "train_time_ms": 12.0}))
+    m["plan"][0].update(status="running", run_dir=str(done_dir), attempt=1)
+    stray = tmp_path / "runs" / "b-seed0-try1"  # created by a kill before the manifest was written
+    stray.mkdir(parents=True)
+    act = _next_action(m, tmp_path)
+    assert m["plan"][0]["status"] == "done" and m["plan"][0]["final_val_loss"] == 4.5
+    assert act == {"index": 1, "arm": "b", "seed": 0, "run_dir": str(tmp_path / "runs" / "b-seed0-try2"),
+                   "resume": False}
+    assert m["plan"][1]["abandoned"] == [str(stray)] and (stray / "ABANDONED").exists()
+    # Killed before its folder existed: a new attempt, nothing to abandon.
+    m["plan"][1]["run_dir"] = str(tmp_path / "runs" / "gone")
+    act = _next_action(m, tmp_path)
+    assert act["run_dir"].endswith("b-seed0-try3") and m["plan"][1]["abandoned"] == [str(stray)]

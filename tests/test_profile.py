@@ -71,6 +71,13 @@ def test_memory_op_models():
     assert op_cost("aten::embedding", [[50304, 768], [8, 1024]], ["float", "long int"]) is None
 
 
+def test_registered_model_for_a_custom_op(monkeypatch):
+    monkeypatch.setattr(prof, "OP_MODELS", {})
+    assert op_cost("speedrun::ce", [[8, 16]], ["float"]) is None
+    prof.register_op_model("speedrun::ce", lambda shapes, dtypes: OpCost("ce", 0.0, 4.0 * shapes[0][0] * shapes[0][1]))
+    assert op_cost("speedrun::ce", [[8, 16]], ["float"]) == OpCost("ce", 0.0, 512.0)
+
+
 def test_floor_uses_the_binding_ceiling():
     c = Ceilings(tflops=100.0, tbps=2.0)
     big = OpCost("gemm", 2e12, 1e9)  # compute bound: 2e12 / 1e14 = 20 ms

@@ -5,8 +5,8 @@ optimizer and loader, built once with the same pieces :func:`speedrun.train.loop
 Every arm is warmed up first (compilation and autotuning happen there, untimed); then the arms
 are timed interleaved, ``A B C A B C ...``, so slow drifts of the node (clocks, temperature)
 hit every arm alike.  A step is timed from an idle device: synchronize, record a CUDA event, run
-:func:`~speedrun.train.loop.train_step` (all ``grad_accum`` micro-batches, the gradient
-all-reduce and the optimizer update), record a second event, synchronize.  On the CPU the step is
+:func:`~speedrun.train.loop.run_step` (all ``grad_accum`` micro-batches, the gradient
+all-reduce and the optimizer update of the run's recipe), record a second event, synchronize.  On the CPU the step is
 timed with ``time.perf_counter``.  Under torchrun every rank times its steps and a step's time is
 the maximum over ranks (the slowest rank sets the pace).
 
@@ -49,43 +49,38 @@ def resolve_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig):
-    """The optimizer train() would build (the loop's own builder when it has one)."""
-    from speedrun.train import loop
-
-    builder = getattr(loop, "build_optimizer", None)
-    if builder is not None:
-        return builder(model, cfg)
-    if cfg.train.optimizer != "adam":
-        raise ConfigError(f"train.optimizer={cfg.train.optimizer!r} is not available here; use adam")
-    from speedrun.optim.core import CoreOptimizer
-
-    return CoreOptimizer(model, cfg.train)
-
-
 @dataclass
 class Session:
-    """One arm ready to step: model (and its compiled form), optimizer, loader at ``stage``."""
+    """One arm ready to step at one stage's shapes: model (and its compiled form), the training
+    recipe (optimizer, schedule), a loader.  Steps cycle through the stage's own step indices so
+    the schedule never leaves the stage."""
 
     name: str
     cfg: RunConfig
     stage: Stage
+    stage_end: int
     model: torch.nn.Module
     run_model: Any
-    optimizer: Any
+    recipe: Any
     loader: Any
     info: Any
     dtype: torch.dtype
-    next_step: int = 0
+    count: int = 0
     times_ms: list[float] = field(default_factory=list)
 
-    def step(self) -> torch.Tensor:
-        """One optimizer step (see train_step); returns the loss as a device scalar."""
-        from speedrun.train.loop import forward_args, train_step
+    @property
+    def optimizer(self):
+        return self.recipe.optimizer
 
-        loss = train_step(self.run_model, self.optimizer, self.loader, self.next_step, forward_args(self.stage),
-                          self.cfg, self.info, self.dtype)
-        self.next_step += 1
+    def step(self) -> torch.Tensor:
+        """One optimizer step (see :func:`speedrun.train.loop.run_step`); returns the loss as a
+        device scalar."""
+        from speedrun.train.loop import run_step
+
+        span = max(1, self.stage_end - self.stage.start_step)
+        step = self.stage.start_step + self.count % span
+        loss = run_step(self.run_model, self.recipe, self.loader, step, self.cfg, self.info, self.dtype)
+        self.count += 1
         return loss
 
     def close(self) -> None:
@@ -93,28 +88,40 @@ class Session:
 
 
 def build_session(name: str, cfg: RunConfig, stage_index: int, info) -> Session:
-    """Build ``cfg``'s model, optimizer and a loader at ``stages_of(cfg)[stage_index]``'s shapes."""
+    """Build ``cfg``'s model, recipe and a loader at ``stages_of(cfg)[stage_index]``'s shapes,
+    the way :func:`speedrun.train.loop.train` builds them."""
     from speedrun.data import TrainLoader
     from speedrun.model import build_model
-    from speedrun.train.loop import resolve_data, stages_of, tokens_per_rank
+    from speedrun.train.loop import resolve_data, tokens_per_rank
+    from speedrun.train.recipes import build_recipe
 
     cfg.model.validate()
-    stages = stages_of(cfg)
-    if not -len(stages) <= stage_index < len(stages):
+    device = info.device
+    dtype = resolve_dtype(cfg, device)
+    train_files, _, tokenizer = resolve_data(cfg)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model).to(device)
+    if dtype == torch.bfloat16 and hasattr(model, "cast_to_record_dtypes"):
+        model.cast_to_record_dtypes(torch.bfloat16)
+    recipe = build_recipe(cfg, model, info, tokenizer)
+    stages = recipe.stages
+    if not 0 <= stage_index < len(stages):
         raise ConfigError(f"arm {name!r}: --stage {stage_index} is out of range; the config has "
                           f"{len(stages)} stage(s) (0..{len(stages) - 1})")
     stage = stages[stage_index]
-    device = info.device
-    dtype = resolve_dtype(cfg, device)
-    train_files, _, _ = resolve_data(cfg)
+    stage_end = stages[stage_index + 1].start_step if stage_index + 1 < len(stages) else cfg.train.steps
     per_rank = tokens_per_rank(stage, cfg, info.world_size)
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model).to(device)
-    optimizer = build_optimizer(model, cfg)
+    if hasattr(model, "warm_tables"):  # RoPE tables must exist before compiling
+        recipe.max_tokens = per_rank
+        model.warm_tables(per_rank, device)
+    recipe.sync_to(stage.start_step)
+    recipe.on_clock_start()
     run_model = torch.compile(model, dynamic=False) if cfg.train.compile else model
     loader = TrainLoader(train_files, per_rank, stage.max_seq_len, rank=info.rank, world_size=info.world_size,
-                         bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size, device=device)
-    return Session(name, cfg, stage, model, run_model, optimizer, loader, info, dtype, next_step=stage.start_step)
+                         bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size,
+                         max_docs=cfg.train.max_docs or None, device=device,
+                         bigram_mod=getattr(model, "bigram_mod", None))
+    return Session(name, cfg, stage, stage_end, model, run_model, recipe, loader, info, dtype)
 
 
 def time_step(session: Session) -> float:
@@ -174,7 +181,8 @@ def bootstrap_ratio_ci(base_ms: Sequence[float], cand_ms: Sequence[float], *, n_
 # The benchmark
 
 
-def _as_configs(arms: Sequence[ArmSpec | tuple[str, RunConfig]], common: Sequence[str]) -> list[tuple[str, RunConfig, dict]]:
+def _as_configs(arms: Sequence[ArmSpec | tuple[str, RunConfig]],
+                common: Sequence[str]) -> list[tuple[str, RunConfig, dict]]:
     out = []
     for a in arms:
         if isinstance(a, ArmSpec):
@@ -242,6 +250,7 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
 
 def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info) -> dict[str, Any]:
     from speedrun.evidence.fingerprint import node_fingerprint
+    from speedrun.train.loop import grad_accum_steps
 
     base = sessions[0].name
     out_arms = []
@@ -252,7 +261,7 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
             **spec,
             "stage": {"index": stage, "batch_tokens": st.batch_tokens, "max_seq_len": st.max_seq_len,
                       "window_short": st.window_short, "window_long": st.window_long},
-            "grad_accum": cfg.train.grad_accum,
+            "grad_accum": grad_accum_steps(cfg, info.world_size),
             "compile": cfg.train.compile,
             "dtype": str(s.dtype).replace("torch.", ""),
             "parameters": sum(p.numel() for p in s.model.parameters()),

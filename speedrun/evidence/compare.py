@@ -17,18 +17,20 @@ Killed and restarted with the same folder, compare skips done runs; a run left `
 resumed from its newest checkpoint when it has one, otherwise its folder is marked abandoned (a
 file ``ABANDONED`` in it, and listed in the manifest) and the run starts over in a new folder.
 Only done runs are ever counted.  Under torchrun every training uses all ranks; only rank 0
-reads decisions from and writes the manifest, and broadcasts them.
+reads decisions from and writes the manifest, and broadcasts them; the process group is kept
+for the whole compare (see :func:`_keep_process_group`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from speedrun.config import RunConfig
 from speedrun.errors import ConfigError
@@ -92,7 +94,8 @@ class CompareResult:
     records_dir: Path | None = None
 
 
-def _arm_configs(arms: Sequence[ArmSpec | tuple[str, RunConfig]], common: Sequence[str]) -> dict[str, tuple[RunConfig, dict]]:
+def _arm_configs(arms: Sequence[ArmSpec | tuple[str, RunConfig]],
+                 common: Sequence[str]) -> dict[str, tuple[RunConfig, dict]]:
     out: dict[str, tuple[RunConfig, dict]] = {}
     for a in arms:
         if isinstance(a, ArmSpec):
@@ -186,6 +189,19 @@ def _next_action(m: dict, out: Path) -> dict | None:
     return None
 
 
+def _fresh_process_state(cfg: RunConfig) -> None:
+    """Make each training in this process start like a fresh process would: no compiled graphs
+    of earlier models (their recompiles would pile up to dynamo's cache limit, after which it
+    silently runs eager), and peak-memory counters that cover this run only."""
+    import torch
+
+    if cfg.train.compile:
+        torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def _broadcast(obj, info):
     if not info.enabled:
         return obj
@@ -194,6 +210,24 @@ def _broadcast(obj, info):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+@contextlib.contextmanager
+def _keep_process_group():
+    """Keep the torchrun process group alive across train() calls.
+
+    train() destroys the group when it ends; re-creating it right away races: a rank that
+    re-initialises first can read the other rank's stale rendezvous keys (same store prefix) and
+    both hang in the next collective.  So while compare runs, teardown is deferred to its end.
+    """
+    from speedrun import distributed
+
+    real = distributed.teardown
+    distributed.teardown = lambda: None
+    try:
+        yield real
+    finally:
+        distributed.teardown = real
 
 
 def run_compare(arms: Sequence[ArmSpec | tuple[str, RunConfig]], out_dir: str | Path, *,
@@ -213,9 +247,20 @@ def run_compare(arms: Sequence[ArmSpec | tuple[str, RunConfig]], out_dir: str | 
     call; with ``kill_at_step=s`` as well, the next run is then started and stopped right after
     its step-``s`` checkpoint, left ``running`` in the manifest.
     """
+    from speedrun.train.loop import train
+
+    with _keep_process_group() as teardown:
+        try:
+            return _run_compare(arms, out_dir, seeds, base_seed, common, target, reference_time, measure, console,
+                                stop_after_runs, kill_at_step, fingerprint, train)
+        finally:
+            teardown()
+
+
+def _run_compare(arms, out_dir, seeds, base_seed, common, target, reference_time, measure, console,
+                 stop_after_runs, kill_at_step, fingerprint, train) -> CompareResult:
     from speedrun import distributed
     from speedrun.evidence.fingerprint import node_fingerprint
-    from speedrun.train.loop import train
 
     fingerprint = fingerprint or (lambda m: node_fingerprint(measure=m))
     out = Path(out_dir)
@@ -236,7 +281,7 @@ def run_compare(arms: Sequence[ArmSpec | tuple[str, RunConfig]], out_dir: str | 
 
     finished_here = 0
     while True:
-        info = distributed.setup(first_cfg.train.device)  # train() tears the group down after each run
+        info = distributed.setup(first_cfg.train.device)
         action = None
         if info.is_main:
             stop = stop_after_runs is not None and finished_here >= stop_after_runs and kill_at_step is None
@@ -256,6 +301,7 @@ def run_compare(arms: Sequence[ArmSpec | tuple[str, RunConfig]], out_dir: str | 
             verb = "resuming" if action["resume"] else "starting"
             print(f"compare: {verb} run {action['index'] + 1}/{len(manifest['plan'])}: arm {entry_arm} "
                   f"seed {entry_seed} in {action['run_dir']}", flush=True)
+        _fresh_process_state(cfg)
         result = train(cfg, run_dir=Path(action["run_dir"]), resume=action["resume"], console=console,
                        stop_after=kill_at_step if killing else None)
         if result.stopped_early:
@@ -266,7 +312,6 @@ def run_compare(arms: Sequence[ArmSpec | tuple[str, RunConfig]], out_dir: str | 
                      finished=_now())
             write_json_atomic(path, manifest)
         finished_here += 1
-    distributed.teardown()
 
     if not info.is_main:
         return CompareResult(out, {}, True, None)
@@ -306,7 +351,8 @@ def write_compare_records(out: Path, manifest: dict) -> Path:
         for n, a in manifest["arms"].items():
             f.write(f"- **{n}**: preset `{a['preset']}`" + (f", overrides `{', '.join(a['overrides'])}`"
                                                                if a["overrides"] else "") + "\n")
-        f.write("\n| # | arm | seed | run folder | resumed | abandoned folders |\n| ---: | --- | ---: | --- | ---: | --- |\n")
+        f.write("\n| # | arm | seed | run folder | resumed | abandoned folders |\n"
+                "| ---: | --- | ---: | --- | ---: | --- |\n")
         for e in manifest["plan"]:
             rel = os.path.relpath(e["run_dir"], out)
             ab = ", ".join(os.path.relpath(a, out) for a in e["abandoned"]) or "-"

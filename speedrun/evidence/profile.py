@@ -16,7 +16,8 @@ to twice the measured bf16 ceiling (the H100/H200 dense FP8 rate).
 
 Triton kernels launched from Python (ours, and Inductor's under ``torch.compile``) are not aten
 ops, so the profiler records no shapes for them: they appear in the kernel table with their time
-and, with ``--ncu``, their measured DRAM bytes.
+and, with ``--ncu``, their measured DRAM bytes.  A kernel wrapped as a ``torch.library`` custom op
+gets shapes; :func:`register_op_model` then gives it a floor like any aten op.
 
 ``--ncu`` reruns the same steps under Nsight Compute (``ncu --clock-control none --metrics
 dram__bytes_read.sum,dram__bytes_write.sum``), between ``cudaProfilerStart/Stop``, and compares
@@ -37,7 +38,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 # ----------------------------------------------------------------------------------------------
 # The cost model (pure)
@@ -112,6 +113,17 @@ def _tensors(shapes, dtypes, default_bytes: int) -> list[tuple[list[int], int]]:
     return out
 
 
+# Models of further ops by exact profiler name (e.g. a Triton kernel wrapped as a torch.library
+# custom op "speedrun::ce_fwd_bwd", whose input shapes the profiler then records).
+OP_MODELS: dict[str, Callable[[list, list], OpCost | None]] = {}
+
+
+def register_op_model(name: str, model: Callable[[list, list], OpCost | None]) -> None:
+    """Teach :func:`op_cost` an op: ``model(shapes, dtypes) -> OpCost`` (dtypes as the profiler
+    names them, or [] when it records none)."""
+    OP_MODELS[name] = model
+
+
 def op_cost(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence[str] | None = None,
             default_dtype: str = "float32") -> OpCost | None:
     """Minimal FLOPs and bytes of one call of op ``name`` with input ``shapes`` / ``dtypes``.
@@ -123,6 +135,8 @@ def op_cost(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence[str] | 
     input); norms/softmax read x (and weights) and write y (backward: read dy and x, write dx).
     Returns None for ops it has no model of.  ``dtypes`` may be None (then ``default_dtype``).
     """
+    if name in OP_MODELS:
+        return OP_MODELS[name]([list(x) if isinstance(x, (list, tuple)) else x for x in shapes], list(dtypes or []))
     default = dtype_bytes(default_dtype, 4) or 4
     t = _tensors(shapes, dtypes, default)
     if name in GEMM_OPS:
@@ -648,7 +662,8 @@ def plot_roofline(report: ProfileReport, path: str | Path) -> Path:
             knee = c.tflops / c.tbps
             x = [lo, knee, hi] if lo < knee < hi else x
             y = [min(xi * c.tbps, c.tflops) for xi in x]
-        ax.plot(x, y, "k-", lw=1.2, label=f"roof: {c.tbps:.2f} TB/s" + (f", {c.tflops:.0f} TFLOP/s" if c.tflops else ""))
+        label = f"roof: {c.tbps:.2f} TB/s" + (f", {c.tflops:.0f} TFLOP/s" if c.tflops else "")
+        ax.plot(x, y, "k-", lw=1.2, label=label)
     elif c.tflops is not None:
         ax.axhline(c.tflops, color="k", lw=1.2, label=f"matmul {c.tflops:.0f} TFLOP/s")
     ax.set_xscale("log")

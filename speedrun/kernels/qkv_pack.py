@@ -239,6 +239,17 @@ def _scales(amax, scale, sa):
     return raw, inv, raw * sa.abs()
 
 
+def _pack_outputs(out, N, D, device, name):
+    if out is None:
+        return torch.empty((N, D), dtype=E4M3, device=device), torch.empty((D, N), dtype=E4M3, device=device)
+    data, data_t = out
+    for t, shape, what in ((data, (N, D), "data"), (data_t, (D, N), "data_t")):
+        if tuple(t.shape) != shape or t.dtype != E4M3 or not t.is_contiguous() or t.device != torch.device(device):
+            raise ValueError(f"{name}: out {what} must be a contiguous e4m3 tensor of shape {shape} on {device}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    return data, data_t
+
+
 def _qk_2d(w_qk: torch.Tensor, H: int, dqk: int) -> torch.Tensor:
     return w_qk.reshape(2 * H * dqk, w_qk.shape[-1])
 
@@ -250,6 +261,7 @@ def pack_qkv_fp8(
     *,
     num_heads: int | None = None,
     scale: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PackedQKV:
     """Quantise ``sa_lambda * [Q|K|V]`` of one layer into the packed FP8 layout (Triton).
 
@@ -260,17 +272,18 @@ def pack_qkv_fp8(
         num_heads: required for a 2-D ``w_qk``; checked against a 3-D one.
         scale: raw dequantisation scale (0-d fp32, e.g. :func:`delayed_scale` of the previous
             ``amax``); None = current scaling from an amax pass (one extra read, no temporaries).
+        out: optional preallocated ``(data (N, D), data_t (D, N))`` contiguous e4m3 tensors
+            (e.g. last update's, to keep addresses stable for CUDA graphs).
 
     N = H (2 Dqk + Dv) and D must be multiples of 16.  Returns :class:`PackedQKV`.
     """
     H, dqk, dv, D, N = _check_pack_args(w_qk, w_v, sa_lambda, num_heads, scale, "pack_qkv_fp8")
+    data, data_t = _pack_outputs(out, N, D, w_qk.device, "pack_qkv_fp8")
     if not triton_usable(w_qk):
-        return pack_qkv_fp8_reference(w_qk, w_v, sa_lambda, num_heads=num_heads, scale=scale)
+        return pack_qkv_fp8_reference(w_qk, w_v, sa_lambda, num_heads=num_heads, scale=scale, out=(data, data_t))
     dev = w_qk.device
     qk2 = _qk_2d(w_qk, H, dqk)
     sa = _sa_tensor(sa_lambda, dev)
-    data = torch.empty((N, D), dtype=E4M3, device=dev)
-    data_t = torch.empty((D, N), dtype=E4M3, device=dev)
     bn, bd, warps = _INTERP_PACK_CONFIG if interpreting() else PACK_CONFIG
     grid = (triton.cdiv(N, bn), triton.cdiv(D, bd))
     u8, u8t = data.view(torch.uint8), data_t.view(torch.uint8)
@@ -299,17 +312,21 @@ def pack_qkv_fp8_reference(
     *,
     num_heads: int | None = None,
     scale: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PackedQKV:
     """Plain-PyTorch reference of :func:`pack_qkv_fp8` (same signature, same bits; materialises the
     concatenation)."""
     H, dqk, dv, D, N = _check_pack_args(w_qk, w_v, sa_lambda, num_heads, scale, "pack_qkv_fp8_reference")
+    data, data_t = _pack_outputs(out, N, D, w_qk.device, "pack_qkv_fp8_reference")
     w = packed_weight_reference(w_qk.detach(), w_v.detach(), H).float()
     amax = w.abs().amax()
     sa = _sa_tensor(sa_lambda, w.device)
     raw, inv, deq = _scales(amax, scale, sa)
     fmax = FP8_MAX[E4M3]
     q = (w * inv).clamp(-fmax, fmax).to(E4M3)
-    return PackedQKV(q, q.t().contiguous(), deq, raw, amax, H, dqk, dv)
+    data.copy_(q)
+    data_t.copy_(q.t())
+    return PackedQKV(data, data_t, deq, raw, amax, H, dqk, dv)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""Packed FP8 QKV weight and GEMM at record shapes on a CUDA GPU (sm89+ for ``torch._scaled_mm``).
+
+Record: H = 6, Dqk = 96, Dv = 128, D = 768 -> N = 1920; T = 8192 tokens.
+Run on the H200: ``python -m pytest -q -m gpu tests/gpu/test_qkv_pack_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+if torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("FP8 needs sm89 or newer", allow_module_level=True)
+
+from speedrun.kernels.fp8_cache import E4M3, E5M2  # noqa: E402
+from speedrun.kernels.qkv_pack import (  # noqa: E402
+    delayed_scale,
+    pack_qkv_fp8,
+    pack_qkv_fp8_reference,
+    packed_qkv_linear,
+    packed_qkv_linear_reference,
+    packed_weight_reference,
+)
+
+H, DQK, DV, D, T = 6, 96, 128, 768, 8192
+N = H * (2 * DQK + DV)
+DEV = "cuda"
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _banks(seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    bound = 3**0.5 * 0.5 * D**-0.5  # the record's uniform init
+    qk = ((torch.rand(10 * H, 2 * DQK, D, device=DEV, generator=g) * 2 - 1) * bound).bfloat16()
+    vo = ((torch.rand(20, D, D, device=DEV, generator=g) * 2 - 1) * bound).bfloat16()
+    sc = torch.tensor([0.5, 1.0] * 11, device=DEV)
+    sc[6] = -0.4
+    return qk, vo, sc
+
+
+@pytest.mark.parametrize("sa", [0.5, -0.4])
+def test_pack_bit_exact_record_shape(sa):
+    qk, vo, _ = _banks(1)
+    j = 3
+    nan = lambda *s: torch.full(s, float("nan"), device=DEV).to(E4M3)  # noqa: E731
+    sa_t = torch.tensor(sa, device=DEV)
+    for scale in (None, torch.tensor(1e-5, device=DEV)):  # current, and a saturating delayed scale
+        p = pack_qkv_fp8(qk[j * H : (j + 1) * H], vo[2 * j], sa_t, scale=scale, out=(nan(N, D), nan(D, N)))
+        r = pack_qkv_fp8_reference(qk[j * H : (j + 1) * H], vo[2 * j], sa_t, scale=scale)
+        assert torch.equal(p.data.view(torch.uint8), r.data.view(torch.uint8))
+        assert torch.equal(p.data_t.view(torch.uint8), r.data_t.view(torch.uint8))
+        assert torch.equal(p.amax, r.amax)
+    assert torch.allclose(delayed_scale(p.amax), r.amax * 1.12 / 448)
+
+
+@pytest.mark.parametrize("dw_fp8", [False, True])
+def test_packed_linear_record_shape(dw_fp8):
+    qk, vo, sc = _banks(2)
+    j = 3  # sa < 0
+    g = torch.Generator(device=DEV).manual_seed(20)
+    x0 = torch.randn(T, D, device=DEV, generator=g).bfloat16()
+    dy = (torch.randn(T, N, device=DEV, generator=g) * 1e-3).bfloat16()
+
+    def run(fn, packed):
+        qkb, vob, scb = (t.clone().requires_grad_() for t in (qk, vo, sc))
+        x = x0.clone().requires_grad_()
+        y = fn(x, packed, qkb[j * H : (j + 1) * H], vob[2 * j], scb[2 * j], dw_fp8=dw_fp8)
+        y.backward(dy)
+        return y, x.grad, qkb.grad[j * H : (j + 1) * H], vob.grad[2 * j], scb.grad[2 * j]
+
+    packed = pack_qkv_fp8(qk[j * H : (j + 1) * H], vo[2 * j], sc[2 * j])
+    y, dx, dqk, dv, dsa = run(packed_qkv_linear, packed)
+    yr, dxr, dqkr, dvr, dsar = run(packed_qkv_linear_reference, None)
+    # Same operands dequantised: fast accumulation + bf16 output only.
+    xs = x0.float().abs().amax() / 448
+    xd = (x0.float() / xs).to(E4M3).float() * xs
+    wd = packed.data.float() * packed.scale
+    assert rel(y, xd @ wd.t()) < 1e-2
+    assert rel(y, yr) < 6e-2
+    gs = dy.float().abs().amax() / 57344
+    dyd = (dy.float() / gs).to(E5M2).float() * gs
+    assert rel(dx, dyd @ wd) < 1e-2
+    assert rel(dx, dxr) < 9e-2
+    bound = 9e-2 if dw_fp8 else 1e-2
+    assert rel(dqk, dqkr) < bound and rel(dv, dvr) < bound
+    if dw_fp8:  # dsa = sum(dW_eff * W_packed) with dW_eff the e5m2 x e4m3 product (random data cancels a lot)
+        w_packed = packed_weight_reference(qk[j * H : (j + 1) * H], vo[2 * j]).float()
+        want = ((dyd.t() @ xd) * w_packed).sum()
+        assert abs(dsa - want).item() / abs(want).item() < 1e-2
+    else:
+        assert abs(dsa - dsar).item() / abs(dsar).item() < 2e-2
