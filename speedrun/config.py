@@ -332,5 +332,22 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             )
             raise OverrideError(f"unknown setting {key!r}; known settings: {known}")
         target = getattr(cfg, section) if section else cfg
-        setattr(target, name, _convert(raw.strip(), hints[section][name], key))
+        value = _convert(raw.strip(), hints[section][name], key)
+        if section == "train" and name == "stages":
+            value = _stages_from_json(value, key)
+        setattr(target, name, value)
     return cfg
+
+
+def _stages_from_json(value: Any, key: str) -> list[Stage]:
+    """``train.stages`` from JSON: a list of objects with Stage's fields, or of positional lists."""
+    if not isinstance(value, list):
+        raise OverrideError(f"{key}: want a JSON list of stages, got {value!r}")
+    stages = []
+    for item in value:
+        try:
+            stage = Stage(**_tuplify(item)) if isinstance(item, dict) else Stage(*item)
+        except TypeError as e:
+            raise OverrideError(f"{key}: bad stage {item!r}: {e}") from None
+        stages.append(stage)
+    return stages

@@ -49,3 +49,13 @@ def test_round_trip_through_dict():
     cfg.train.stages = [Stage(0, 1024, 128, 64, 128, (1.0, 0.5)), Stage(10, 2048, 256, 64, 128)]
     again = RunConfig.from_dict(cfg.to_dict())
     assert again == cfg
+
+
+def test_stages_override_builds_stage_objects():
+    cfg = apply_overrides(preset("tiny"), ['train.stages=[[0, 1024, 128, 32, 64], {"start_step": 5, '
+                                           '"batch_tokens": 2048, "max_seq_len": 256, "window_short": 64, '
+                                           '"window_long": 128, "mtp_weights": [1.0, [0.5, 0.0]]}]'])
+    assert cfg.train.stages[0] == Stage(0, 1024, 128, 32, 64)
+    assert cfg.train.stages[1].mtp_weights == (1.0, [0.5, 0.0])
+    with pytest.raises(ConfigError, match="bad stage"):
+        apply_overrides(preset("tiny"), ['train.stages=[{"nope": 1}]'])

@@ -21,7 +21,7 @@ def make_log(path: Path, seed: int, final_loss: float, step_ms: float, total: in
              truncate_at: int | None = None) -> Path:
     """Write a synthetic log in our format: per-step lines every step, validation every 10."""
     rng = np.random.default_rng(seed)
-    lines = [f"Running PyTorch 2.11.0+cu130 compiled for CUDA 13.0", "gpu: NVIDIA H200", f"seed: {seed}",
+    lines = ["Running PyTorch 2.11.0+cu130 compiled for CUDA 13.0", "gpu: NVIDIA H200", f"seed: {seed}",
              f"step:0/{total} val_loss:10.8000 train_time:0ms step_avg:0.01ms"]
     t = 0.0
     for s in range(1, (truncate_at or total) + 1):

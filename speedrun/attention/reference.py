@@ -36,7 +36,6 @@ def reference_attention(
     starts, lengths = starts[keep], lengths[keep]
     if int(cu[-1]) != T or int(cu[0]) != 0 or bool((lengths < 0).any()):
         raise ValueError(f"reference attention: cu_seqlens must rise from 0 to T={T}, got {cu_seqlens.tolist()}")
-    n_docs = starts.numel()
     L = int(lengths.max())
     offs = torch.arange(L, device=q.device)
     valid = offs[None, :] < lengths[:, None]  # (N, L)

@@ -18,12 +18,12 @@ resumed from its newest checkpoint when it has one, otherwise its folder is mark
 file ``ABANDONED`` in it, and listed in the manifest) and the run starts over in a new folder.
 Only done runs are ever counted.  Under torchrun every training uses all ranks; only rank 0
 reads decisions from and writes the manifest, and broadcasts them; the process group is kept
-for the whole compare (see :func:`_keep_process_group`).
+for the whole compare (``train(..., teardown=False)``).
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import os
 import tempfile
@@ -212,24 +212,6 @@ def _broadcast(obj, info):
     return box[0]
 
 
-@contextlib.contextmanager
-def _keep_process_group():
-    """Keep the torchrun process group alive across train() calls.
-
-    train() destroys the group when it ends; re-creating it right away races: a rank that
-    re-initialises first can read the other rank's stale rendezvous keys (same store prefix) and
-    both hang in the next collective.  So while compare runs, teardown is deferred to its end.
-    """
-    from speedrun import distributed
-
-    real = distributed.teardown
-    distributed.teardown = lambda: None
-    try:
-        yield real
-    finally:
-        distributed.teardown = real
-
-
 def run_compare(arms: Sequence[ArmSpec | tuple[str, RunConfig]], out_dir: str | Path, *,
                 seeds: int | Sequence[int] = 4, base_seed: int = 0, common: Sequence[str] = (),
                 target: float = 3.28, reference_time: float | None = None, measure: bool = True,
@@ -247,14 +229,17 @@ def run_compare(arms: Sequence[ArmSpec | tuple[str, RunConfig]], out_dir: str | 
     call; with ``kill_at_step=s`` as well, the next run is then started and stopped right after
     its step-``s`` checkpoint, left ``running`` in the manifest.
     """
+    from speedrun import distributed
     from speedrun.train.loop import train
 
-    with _keep_process_group() as teardown:
-        try:
-            return _run_compare(arms, out_dir, seeds, base_seed, common, target, reference_time, measure, console,
-                                stop_after_runs, kill_at_step, fingerprint, train)
-        finally:
-            teardown()
+    # train() would end the process group after every run; re-creating it right away races (a
+    # fast rank can read the other's stale rendezvous keys and both hang), so keep one group for
+    # the whole compare and end it here.
+    try:
+        return _run_compare(arms, out_dir, seeds, base_seed, common, target, reference_time, measure, console,
+                            stop_after_runs, kill_at_step, fingerprint, functools.partial(train, teardown=False))
+    finally:
+        distributed.teardown()
 
 
 def _run_compare(arms, out_dir, seeds, base_seed, common, target, reference_time, measure, console,

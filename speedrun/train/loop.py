@@ -107,14 +107,6 @@ def grad_accum_steps(cfg: RunConfig, world: int) -> int:
     return 8 // world
 
 
-def stage_at(stages: list[Stage], step: int) -> int:
-    index = 0
-    for i, s in enumerate(stages):
-        if s.start_step <= step:
-            index = i
-    return index
-
-
 def tokens_per_rank(stage: Stage, cfg: RunConfig, world: int) -> int:
     accum = grad_accum_steps(cfg, world)
     parts = world * accum
@@ -122,11 +114,6 @@ def tokens_per_rank(stage: Stage, cfg: RunConfig, world: int) -> int:
         raise ConfigError(f"batch of {stage.batch_tokens} tokens does not split over {world} ranks x "
                           f"{accum} accumulation steps")
     return stage.batch_tokens // parts
-
-
-def forward_args(stage: Stage) -> ForwardArgs:
-    return ForwardArgs(window_short=stage.window_short, window_long=stage.window_long,
-                       mtp_weights=tuple(stage.mtp_weights), prefix_weight=float(stage.prefix_weight[0]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,23 +149,6 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype) -> t
     if not recipe.grads_reduced_by_optimizer:
         distributed.all_reduce_mean_([p.grad for p in model.parameters() if p.grad is not None], info)
     recipe.optimizer_step(step)
-    return total
-
-
-def train_step(model, optimizer, loader, step: int, args: ForwardArgs, cfg: RunConfig, info, dtype) -> torch.Tensor:
-    """One step of a plain optimizer (``step(i)``, ``zero_grad()``) with gradients averaged over
-    ranks; returns the mean loss as a device scalar.  Recipes go through :func:`run_step`."""
-    accum = grad_accum_steps(cfg, info.world_size)
-    total = torch.zeros((), device=info.device)
-    for _ in range(accum):
-        batch = loader.next_batch()
-        with _autocast(info.device, dtype):
-            loss = model.loss(batch, args) / accum
-        loss.backward()
-        total += loss.detach()
-    distributed.all_reduce_mean_([p.grad for p in model.parameters() if p.grad is not None], info)
-    optimizer.step(step)
-    optimizer.zero_grad()
     return total
 
 
@@ -243,11 +213,12 @@ def _fmt_eta(seconds: float) -> str:
 
 
 def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, console: bool = True,
-          stop_after: int | None = None) -> TrainResult:
+          stop_after: int | None = None, teardown: bool = True) -> TrainResult:
     """Run ``cfg`` to completion; with ``resume``, continue ``run_dir`` from its newest checkpoint.
 
     ``stop_after`` ends the run right after the checkpoint of that step, as if the process had been
-    killed there (used to test resumption).
+    killed there (used to test resumption).  ``teardown=False`` keeps the process group for a
+    caller that trains again in the same processes (``speedrun compare``).
     """
     from speedrun.data import TrainLoader
 
@@ -311,8 +282,9 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         log.print(f"parameters: {sum(p.numel() for p in model.parameters()):,}", console=False)
         log.print("=" * 100, console=False)
 
-    # Untimed warmup: run every stage's shapes so compilation happens here, then undo everything.
-    if cfg.train.warmup_steps > 0 and not resume:
+    # Untimed warmup: run every stage's shapes so compilation happens here, then undo everything
+    # (also before a resume, so a resumed run does not compile inside its timed region).
+    if cfg.train.warmup_steps > 0:
         log.print(f"Compiling model and warming up kernels ({cfg.train.warmup_steps} steps per stage)")
         model_state = copy.deepcopy(model.state_dict())
         opt_state = copy.deepcopy(optimizer.state_dict())
@@ -436,7 +408,8 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
                    "seed": cfg.train.seed, "run_dir": str(run_dir)}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log.close()
-    distributed.teardown()
+    if teardown:
+        distributed.teardown()
     return TrainResult(run_dir, total_steps, last_val, train_ms, sample, stopped, info.rank)
 
 
