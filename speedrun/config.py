@@ -77,6 +77,10 @@ class ModelConfig:
     # "triton" (fused Triton CE and ReLU^2 MLP in bf16), "fp8" (the record baseline: FP8 lm_head
     # and FP8 MLP forward), "fp8_full" (FP8 lm_head and FP8 across the MLP forward and backward).
     kernels: str = "reference"
+    # Q/K/V projection of the record network: "reference" (one bf16 GEMM over the concatenated
+    # bank slices, then norm/RoPE/offset in PyTorch), "fused" (packed [q|k|v]-per-head layout and
+    # the fused QK-prep kernel, bf16 GEMM), "fused_fp8" (the same with one packed FP8 GEMM).
+    qkv_path: str = "reference"
 
     @property
     def padded_vocab_size(self) -> int:
@@ -97,6 +101,13 @@ class ModelConfig:
             raise ConfigError(f"qk_head_dim must be a multiple of 4 (rotary pairs), got {self.qk_head_dim}")
         if not 0.0 <= self.rope_fraction <= 1.0:
             raise ConfigError(f"rope_fraction must lie in [0, 1], got {self.rope_fraction}")
+        choices = {"kernels": ("reference", "triton", "fp8", "fp8_full"),
+                   "qkv_path": ("reference", "fused", "fused_fp8"), "architecture": ("core", "record")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r}; known: {', '.join(allowed)}")
+        if self.architecture == "core" and (self.kernels != "reference" or self.qkv_path != "reference"):
+            raise ConfigError("model.kernels and model.qkv_path apply to architecture=record only")
         for name in ("vocab_size", "num_layers", "model_dim", "num_heads", "qk_head_dim", "v_head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
@@ -268,8 +279,22 @@ def tiny_record() -> RunConfig:
     )
 
 
+def candidate() -> RunConfig:
+    """The record recipe with the reduced-width attention routing switched on (issue 4): Q/K heads
+    96 wide (V and the residual stay 128), one packed FP8 QKV GEMM per layer, fused QK-prep, FP8
+    across the whole MLP, and 45 extension steps (1315)."""
+    cfg = record()
+    cfg.name = "candidate"
+    cfg.model.qk_head_dim = 96
+    cfg.model.qkv_path = "fused_fp8"
+    cfg.model.kernels = "fp8_full"
+    cfg.train.num_extension = 45
+    cfg.train.steps = 1315
+    return cfg
+
+
 PRESETS: dict[str, typing.Callable[[], RunConfig]] = {
-    "tiny": tiny, "small": small, "record": record, "tiny-record": tiny_record,
+    "tiny": tiny, "small": small, "record": record, "tiny-record": tiny_record, "candidate": candidate,
 }
 
 

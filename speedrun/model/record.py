@@ -518,15 +518,22 @@ class RecordGPT(nn.Module):
         T = h.shape[0]
         j = self.attn_index[i]
         sa = self.scalars[2 * i : 2 * i + 2]
+        paired = i in a.paired_head_layers
+        long = i in a.long_window_layers
+        window = args.window_long if long else args.window_short
+        if self.cfg.qkv_path != "reference":
+            q, k, v = self._packed_qkv(h, j, sa[0], aux_v, paired, long and a.key_offset and not paired)
+            if paired:
+                y = self._attend(q, k, v, 2 * cu_seqlens, 2 * max_seqlen, window).reshape(T, H, dv)
+            else:
+                y = self._attend(q, k, v, cu_seqlens, max_seqlen, window)
+            return self._attention_out(i, j, y, q, k, v, sa, gates, cu_seqlens, paired)
         w_qk = self.qk_bank[j * H : (j + 1) * H].reshape(2 * H * dqk, -1)
         w = torch.cat((w_qk, self.vo_bank[2 * j])).type_as(h) * sa[0]
         qkv = F.linear(h, w)
         q = _norm(qkv[:, : H * dqk].view(T, H, dqk))
         k = _norm(qkv[:, H * dqk : 2 * H * dqk].view(T, H, dqk))
         v = qkv[:, 2 * H * dqk :].view(T, H, dv)
-        paired = i in a.paired_head_layers
-        long = i in a.long_window_layers
-        window = args.window_long if long else args.window_short
         if paired:
             q, k = self.yarn.rotate_paired(q), self.yarn.rotate_paired(k)
         else:
@@ -544,6 +551,13 @@ class RecordGPT(nn.Module):
             ).reshape(T, H, dv)
         else:
             y = self._attend(q, k, v, cu_seqlens, max_seqlen, window)
+        return self._attention_out(i, j, y, q, k, v, sa, gates, cu_seqlens, paired)
+
+    def _attention_out(self, i, j, y, q, k, v, sa, gates, cu_seqlens, paired):
+        """DC correction, XSA, output gate and O projection: y (T, H, Dv) -> (T, D)."""
+        a, H, dv = self.arch, self.num_heads, self.v_dim
+        T = y.shape[0]
+        if not paired:
             if i in gates["dc"]:
                 w1, w2 = dc_gate_weights(*gates["dc"][i])
                 y = self.dc_impl(y, q, k, v, w1, w2, cu_seqlens, scale=self.yarn.attn_scale, window=a.dc_window)
@@ -552,6 +566,24 @@ class RecordGPT(nn.Module):
         if i in gates["attn"]:
             y = y * gates["attn"][i].type_as(y)[..., None]
         return F.linear(y.reshape(T, H * dv), self.vo_bank[2 * j + 1].type_as(y) * sa[1])
+
+    def _packed_qkv(self, h, j, sa0, aux_v, paired: bool, key_offset: bool):
+        """The candidate's projection: one packed [q|k|v]-per-head GEMM (FP8 with ``qkv_path=fused_fp8``)
+        read straight from the banks, then the fused QK-prep kernel (norm, RoPE, key offset, layout).
+        Returns q, k (T, H, Dqk) and v (T, H, Dv), or (2T, H/2, D) views on paired layers."""
+        from speedrun.kernels.qk_prep import qk_prep
+        from speedrun.kernels.qkv_pack import packed_qkv_linear, packed_qkv_linear_reference
+
+        H, dqk, dv = self.num_heads, self.qk_dim, self.v_dim
+        T = h.shape[0]
+        w_qk, w_v = self.qk_bank[j * H : (j + 1) * H], self.vo_bank[2 * j]
+        if self.cfg.qkv_path == "fused_fp8":
+            qkv = packed_qkv_linear(h, None, w_qk, w_v, sa0, num_heads=H)
+        else:
+            qkv = packed_qkv_linear_reference(h, None, w_qk.type_as(h), w_v.type_as(h), sa0.type_as(h), num_heads=H)
+        cos, sin = self.yarn.tables(2 * T if paired else T, h.device)
+        return qk_prep(qkv, cos, sin, num_heads=H, qk_dim=dqk, v_dim=dv, paired=paired, key_offset=key_offset,
+                       aux_v=None if aux_v is None else aux_v.type_as(qkv))
 
     def _unpack_gate(self, g: torch.Tensor, layout: GateLayout, gates: dict) -> None:
         for i, s in layout.xsa.items():

@@ -1,0 +1,81 @@
+"""The candidate arm's switches on the record network: reduced-width Q/K, packed QKV, fused QK-prep."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from speedrun.config import ModelConfig, preset
+from speedrun.errors import ConfigError
+from speedrun.model.interface import ForwardArgs
+from speedrun.model.record import RecordGPT
+
+
+def _pair(qkv_path, kernels="reference", dtype=torch.float32):
+    base = dict(vocab_size=257, num_layers=6, model_dim=32, num_heads=2, qk_head_dim=12, v_head_dim=16,
+                architecture="record")
+    torch.manual_seed(0)
+    ref = RecordGPT(ModelConfig(**base))
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    cand = RecordGPT(ModelConfig(**base, qkv_path=qkv_path, kernels=kernels))
+    cand.load_state_dict(ref.state_dict())
+    return ref.to(dtype), cand.to(dtype)
+
+
+def _batch(T=64):
+    g = torch.Generator().manual_seed(3)
+    return SimpleNamespace(inputs=torch.randint(0, 257, (T,), generator=g, dtype=torch.int32),
+                           targets=torch.randint(0, 257, (T,), generator=g),
+                           cu_seqlens=torch.tensor([0, 23, T, T], dtype=torch.int32), max_seqlen=T, bigram=None)
+
+
+ARGS = ForwardArgs(window_short=16, window_long=48, mtp_weights=(1.0, 0.5), prefix_weight=0.0)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("qkv_path,bound_loss,bound_grad", [("fused", 1e-5, 1e-4), ("fused_fp8", 5e-2, 0.25)])
+def test_candidate_path_matches_reference(qkv_path, bound_loss, bound_grad):
+    """FP8 off: the packed layout + fused QK-prep equals the reference path (fp32 here: to rounding).
+    FP8 on: within the documented bound (e4m3 operands, e5m2 gradients: a few percent)."""
+    ref, cand = _pair(qkv_path)
+    batch = _batch()
+    lr, lc = ref.loss(batch, ARGS), cand.loss(batch, ARGS)
+    lr.backward()
+    lc.backward()
+    assert abs(lc.item() - lr.item()) / lr.item() < bound_loss
+    gr, gc = _grads(ref), _grads(cand)
+    assert gr.keys() == gc.keys()
+    for name in ("qk_bank", "vo_bank", "scalars", "mlp_bank", "embed"):
+        if gr[name].norm() == 0:
+            continue
+        err = ((gc[name] - gr[name]).norm() / gr[name].norm()).item()
+        assert err < bound_grad, (name, err)
+
+
+def test_candidate_preset_is_record_plus_switches():
+    rec, cand = preset("record"), preset("candidate")
+    assert (cand.model.qk_head_dim, cand.model.v_head_dim) == (96, 128)
+    assert cand.model.qkv_path == "fused_fp8" and cand.model.kernels == "fp8_full"
+    assert (cand.train.steps, cand.train.num_extension) == (1315, 45)
+    assert (rec.train.steps, rec.train.num_extension) == (1285, 15)
+    assert cand.model.model_dim == rec.model.model_dim == cand.model.num_heads * cand.model.v_head_dim
+
+
+def test_unknown_switch_values_are_clear_errors():
+    with pytest.raises(ConfigError, match="qkv_path"):
+        ModelConfig(architecture="record", qkv_path="fast").validate()
+    with pytest.raises(ConfigError, match="architecture=record only"):
+        ModelConfig(kernels="fp8").validate()
+
+
+def test_candidate_bank_shapes_at_full_size():
+    with torch.device("meta"):
+        cfg = preset("candidate").model
+        model = RecordGPT(cfg)
+    assert tuple(model.qk_bank.shape[1:]) == (2 * 96, 768)
+    assert tuple(model.vo_bank.shape[1:]) == (768, 768)
