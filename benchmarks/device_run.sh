@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, doctor, benchmarks and a short GPU training, results under $OUT.
 # Usage (on the GPU machine, repo root):  bash benchmarks/device_run.sh [parts...]
-# parts: tests doctor attention kernels train (default: all).  Webmix shards (.xz) are read from
+# parts: tests doctor attention kernels train record (default: all but record).  Webmix shards (.xz) are read from
 # .carry/ when present.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -20,7 +20,7 @@ for part in $parts; do
   case $part in
     tests)
       log "GPU tests"
-      timeout 400 python3 -m pytest -q -x tests/gpu 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
+      timeout 400 python3 -m pytest -q -m gpu tests 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
     doctor)
       log doctor
       timeout 120 python3 -m speedrun doctor 2>&1 | tail -30 | tee "$OUT/doctor.txt" ;;
@@ -28,7 +28,7 @@ for part in $parts; do
       log "attention backends, stage-3 shapes"
       timeout 300 python3 benchmarks/bench_attention.py --reps 3 2>&1 | tail -20 ;;
     kernels)
-      for b in bench_polar_express bench_cross_entropy bench_mlp; do
+      for b in bench_polar_express bench_cross_entropy bench_mlp bench_qk_prep; do
         log "$b"; timeout 200 python3 benchmarks/$b.py 2>&1 | tail -25
       done ;;
     train)
@@ -38,6 +38,13 @@ for part in $parts; do
         --set train.val_every=50 --set train.log_every=25 --set train.val_tokens=1048576 \
         --set train.batch_tokens=65536 2>&1 | tail -20
       cp /tmp/runs/*/log.txt "$OUT/small_webmix_log.txt" 2>/dev/null ;;
+    record)
+      log "record vs candidate: one optimizer step per stage, interleaved (bench step)"
+      for stage in 0 1 2; do
+        timeout 550 python3 -m speedrun bench step --arm base=record --arm cand=candidate --stage $stage \
+          --steps 20 --warmup 3 --set train.max_docs=256 \
+          --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --json "$OUT/bench_step_stage$stage.json" 2>&1 | tail -12
+      done ;;
   esac
 done
 log done
