@@ -86,12 +86,9 @@ def stages_of(cfg: RunConfig) -> list[Stage]:
     """The run's stages (batch size, sequence cap, windows from each start step)."""
     t = cfg.train
     if t.schedule == "record":
-        from speedrun.optim.schedule import RecordSchedule
-        from speedrun.train.recipes import record_stages_scaled
+        from speedrun.train.recipes import record_schedule
 
-        return RecordSchedule(t.steps - t.num_extension, t.num_extension,
-                              stages=record_stages_scaled(t.batch_divisor, t.seq_divisor),
-                              block_size=t.window_block).to_config_stages()
+        return record_schedule(cfg).to_config_stages()
     if t.stages:
         return sorted(t.stages, key=lambda s: s.start_step)
     window = t.window or None

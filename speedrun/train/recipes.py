@@ -103,6 +103,18 @@ def record_stages_scaled(batch_divisor: int, seq_divisor: int):
                                      max_seq_len=s.max_seq_len // seq_divisor) for s in RECORD_STAGES)
 
 
+def record_schedule(cfg: RunConfig):
+    """The RecordSchedule of ``cfg.train`` (steps = scheduled + extension; scaled stages)."""
+    from speedrun.optim.schedule import RecordSchedule
+
+    t = cfg.train
+    try:
+        return RecordSchedule(t.steps - t.num_extension, t.num_extension,
+                              stages=record_stages_scaled(t.batch_divisor, t.seq_divisor), block_size=t.window_block)
+    except ValueError as e:
+        raise ConfigError(f"train.steps={t.steps} with train.num_extension={t.num_extension}: {e}") from None
+
+
 class RecordRecipe:
     """See the module docstring.  ``cfg.train.steps`` = scheduled + ``cfg.train.num_extension``."""
 
@@ -110,18 +122,13 @@ class RecordRecipe:
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, info, tokenizer=None):
         from speedrun.optim.normuon import NorMuonAndAdam, OptimizerHyper, record_param_table
-        from speedrun.optim.schedule import RecordSchedule
 
         t = cfg.train
         if cfg.model.architecture != "record":
             raise ConfigError("train.schedule=record needs model.architecture=record")
         if t.optimizer != "normuon":
             raise ConfigError(f"train.schedule=record uses train.optimizer=normuon, got {t.optimizer!r}")
-        scheduled = t.steps - t.num_extension
-        self.schedule = RecordSchedule(
-            scheduled, t.num_extension, stages=record_stages_scaled(t.batch_divisor, t.seq_divisor),
-            block_size=t.window_block,
-        )
+        self.schedule = record_schedule(cfg)
         self.stages = self.schedule.to_config_stages()
         self.model = model
         self.tokenizer = tokenizer
