@@ -79,3 +79,60 @@ def test_candidate_bank_shapes_at_full_size():
         model = RecordGPT(cfg)
     assert tuple(model.qk_bank.shape[1:]) == (2 * 96, 768)
     assert tuple(model.vo_bank.shape[1:]) == (768, 768)
+
+
+def _fp8_model():
+    cfg = ModelConfig(vocab_size=257, num_layers=6, model_dim=32, num_heads=2, qk_head_dim=16, v_head_dim=16,
+                      architecture="record", qkv_path="fused_fp8", kernels="fp8_full")
+    torch.manual_seed(0)
+    model = RecordGPT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def test_fp8_weight_cache_is_used_and_never_stale():
+    from speedrun.kernels.fp8_cache import StaleFP8CacheError
+
+    model = _fp8_model()
+    batch = _batch()
+    on_the_fly = model.loss(batch, ARGS).item()  # no cache yet: quantised on the call
+    model.refresh_fp8_weights()
+    cached = model.loss(batch, ARGS)
+    cached.backward()  # backward reads the cache too
+    assert abs(cached.item() - on_the_fly) / on_the_fly < 2e-2
+    with torch.no_grad():
+        model.mlp_bank.add_(0.01)  # an update without a refresh
+    with pytest.raises(StaleFP8CacheError):
+        model.loss(batch, ARGS)
+    model.refresh_fp8_weights()
+    with torch.no_grad():
+        model.scalars.mul_(1.01)  # sa_lambda is folded into the packed QKV scale
+    with pytest.raises(StaleFP8CacheError):
+        model.loss(batch, ARGS)
+
+
+def test_training_refreshes_the_fp8_cache_once_per_update(tmp_path, builtin_cache, monkeypatch):
+    from speedrun.config import apply_overrides
+    from speedrun.train import recipes
+    from speedrun.train.loop import train
+
+    monkeypatch.setenv("SPEEDRUN_CACHE_DIR", str(builtin_cache))
+    seen = []
+    real = recipes.RecordRecipe.__init__
+
+    def spy(self, *a, **k):
+        real(self, *a, **k)
+        seen.append(self)
+
+    monkeypatch.setattr(recipes.RecordRecipe, "__init__", spy)
+    cfg = preset("tiny-record")
+    apply_overrides(cfg, ["model.num_layers=4", "model.model_dim=32", "model.num_heads=2", "model.qk_head_dim=16",
+                          "model.qkv_path=fused_fp8", "model.kernels=fp8_full", "train.batch_divisor=1024",
+                          "train.steps=5", "train.num_extension=1", "train.val_every=0", "train.val_tokens=384",
+                          f"out_dir={tmp_path}"])
+    result = train(cfg, console=False)
+    assert result.final_val_loss == result.final_val_loss
+    (recipe,) = seen
+    assert recipe.fp8_refreshes == 1 + 5  # at construction, then after each of the 5 updates

@@ -9,8 +9,9 @@ Modes (``ModelConfig.kernels``):
 - ``fp8_full``: FP8 lm_head and FP8 across all MLP GEMMs (``mode="fp8_full"``).
 
 The MLP keeps one :class:`~speedrun.kernels.mlp.MLPScaleState` per layer (delayed activation
-scales).  Weights are quantised with current scaling on each call for now; the per-update FP8
-weight cache (:mod:`speedrun.kernels.fp8_cache`) is the next step.  The kernels want bf16
+scales) and takes its FP8 weights from the model's per-update cache
+(:meth:`RecordGPT.refresh_fp8_weights`); before the first refresh (a bare forward outside
+training) it quantises them on the call with current scaling.  The kernels want bf16
 activations: fp32 inputs (CPU runs) are cast to bf16 around the call and back.  The record's
 softmax runs over the padded vocabulary, so the head passes ``vocab_size=None``.
 """
@@ -43,8 +44,9 @@ class FusedHead:
 class FusedMLP:
     """``mlp_impl(x, w_fc (H, D), w_proj (H, D), layer)`` through :func:`speedrun.kernels.mlp.relu2_mlp`."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, weights=None):
         self.mode = mode
+        self.weights = weights  # layer -> cached (FP8Weight w1, FP8Weight w2) or None
         self.scales: dict[int, object] = {}
 
     def __call__(self, x, w_fc, w_proj, layer: int | None = None):
@@ -60,11 +62,11 @@ class FusedMLP:
             if key not in self.scales:
                 self.scales[key] = MLPScaleState.create(x.device)
             scales = self.scales[key]
-            # Both layouts of each weight from one quantisation; w_proj is stored (H, D), so its
-            # (D, H) view is the transposed entry.
-            c1 = FP8Weight(*quantize_current(w1.detach()))
-            c2 = FP8Weight(*quantize_current(w2.detach())).t()
-            cache = (c1, c2)
+            cache = self.weights(layer) if (self.weights is not None and layer is not None) else None
+            if cache is None:
+                # Both layouts of each weight from one quantisation; w_proj is stored (H, D), so its
+                # (D, H) view is the transposed entry.
+                cache = (FP8Weight(*quantize_current(w1.detach())), FP8Weight(*quantize_current(w2.detach())).t())
         y = relu2_mlp(x.to(dtype), w1, w2.t(), mode=self.mode, scales=scales, cache=cache)
         return y.to(in_dtype)
 
@@ -76,4 +78,5 @@ def install_kernels(model, mode: str) -> None:
     if mode == "reference":
         return
     model.ce_impl = FusedHead(use_fp8=mode != "triton")
-    model.mlp_impl = FusedMLP({"triton": "bf16", "fp8": "fp8_fwd", "fp8_full": "fp8_full"}[mode])
+    model.mlp_impl = FusedMLP({"triton": "bf16", "fp8": "fp8_fwd", "fp8_full": "fp8_full"}[mode],
+                              weights=getattr(model, "mlp_fp8_weights", None))

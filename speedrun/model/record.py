@@ -311,6 +311,9 @@ class RecordGPT(nn.Module):
         self.eval_ce_impl = softcapped_ce_eval_plain
         self.mlp_impl = relu2_mlp_plain
         self.dc_impl = dc_postonly_correction
+        self._mlp_fp8 = None  # FP8WeightCache of mlp_bank, refreshed once per optimizer update
+        self._qkv_fp8: dict[int, object] = {}  # attention index -> PackedQKV, same cadence
+        self._qkv_fp8_versions: tuple[int, ...] | None = None
         if model_cfg.kernels != "reference":
             from speedrun.model.kernel_hooks import install_kernels
 
@@ -505,6 +508,64 @@ class RecordGPT(nn.Module):
         self.cfg.attention_backend = name
         self._backends = {}
 
+    # ------------------------------------------------------------------------------------------
+    # FP8 weight cache (once per optimizer update)
+
+    @property
+    def uses_fp8_weights(self) -> bool:
+        return self.cfg.kernels in ("fp8", "fp8_full") or self.cfg.qkv_path == "fused_fp8"
+
+    @torch.no_grad()
+    def refresh_fp8_weights(self) -> None:
+        """Re-quantise every FP8 weight the forward and backward use, once per optimizer update
+        (call right after ``optimizer.step`` and after any load of weights).
+
+        MLP: one dual-layout kernel over each half of ``mlp_bank`` (c_fc, c_proj), delayed scaling
+        after a bootstrap (:class:`~speedrun.kernels.fp8_cache.FP8WeightCache`).  Attention
+        (``qkv_path=fused_fp8``): one packed [q|k|v] FP8 weight per layer, read straight from the
+        Q/K and V/O banks with ``sa_lambda`` folded into its scale, delayed-scaled from the previous
+        update's amax once the first update has measured one.  A forward that finds the weights
+        changed since the last refresh raises instead of using stale FP8 copies."""
+        if self.cfg.kernels in ("fp8", "fp8_full"):
+            from speedrun.kernels.fp8_cache import FP8WeightCache
+
+            if self._mlp_fp8 is None:
+                self._mlp_fp8 = FP8WeightCache()
+            L = self.num_layers
+            self._mlp_fp8.refresh({"fc": self.mlp_bank[:L, 0], "proj": self.mlp_bank[:L, 1]})
+        if self.cfg.qkv_path == "fused_fp8":
+            from speedrun.kernels.qkv_pack import delayed_scale, pack_qkv_fp8
+
+            H = self.num_heads
+            for i in self.attn_layers:
+                j = self.attn_index[i]
+                prev = self._qkv_fp8.get(j)
+                scale = None if prev is None else delayed_scale(prev.amax)
+                self._qkv_fp8[j] = pack_qkv_fp8(self.qk_bank[j * H : (j + 1) * H], self.vo_bank[2 * j],
+                                                self.scalars[2 * i], num_heads=H, scale=scale)
+            self._qkv_fp8_versions = self._qkv_sources_version()
+
+    def _qkv_sources_version(self) -> tuple[int, ...]:
+        return (self.qk_bank._version, self.vo_bank._version, self.scalars._version)
+
+    def mlp_fp8_weights(self, layer: int):
+        """(FP8Weight of c_fc (H, D), FP8Weight of c_proj seen as (D, H)) for ``layer``, or None
+        before the first refresh.  Raises StaleFP8CacheError if the bank changed since."""
+        if self._mlp_fp8 is None:
+            return None
+        return self._mlp_fp8.get("fc")[layer], self._mlp_fp8.get("proj")[layer].t()
+
+    def qkv_fp8_weight(self, j: int):
+        """The packed FP8 QKV weight of attention layer ``j`` (None before the first refresh)."""
+        if not self._qkv_fp8:
+            return None
+        if self._qkv_sources_version() != self._qkv_fp8_versions:
+            from speedrun.kernels.fp8_cache import StaleFP8CacheError
+
+            raise StaleFP8CacheError("packed FP8 QKV weights read after the banks or sa_lambdas changed; call "
+                                     "refresh_fp8_weights() once per optimizer update")
+        return self._qkv_fp8[j]
+
     def _attend(self, q, k, v, cu_seqlens, max_seqlen, window):
         fn = self._backends.get(q.device)
         if fn is None:
@@ -578,7 +639,7 @@ class RecordGPT(nn.Module):
         T = h.shape[0]
         w_qk, w_v = self.qk_bank[j * H : (j + 1) * H], self.vo_bank[2 * j]
         if self.cfg.qkv_path == "fused_fp8":
-            qkv = packed_qkv_linear(h, None, w_qk, w_v, sa0, num_heads=H)
+            qkv = packed_qkv_linear(h, self.qkv_fp8_weight(j), w_qk, w_v, sa0, num_heads=H)
         else:
             qkv = packed_qkv_linear_reference(h, None, w_qk.type_as(h), w_v.type_as(h), sa0.type_as(h), num_heads=H)
         cos, sin = self.yarn.tables(2 * T if paired else T, h.device)

@@ -256,6 +256,9 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     optimizer = recipe.optimizer
     stages = recipe.stages
     per_rank = [tokens_per_rank(s, cfg, info.world_size) for s in stages]
+    if cfg.train.val_tokens < max(per_rank) * info.world_size:  # fail before training, not at the first validation
+        raise ConfigError(f"train.val_tokens={cfg.train.val_tokens} is smaller than one validation batch "
+                          f"({max(per_rank)} tokens x {info.world_size} ranks)")
     if hasattr(model, "warm_tables"):  # RoPE tables must exist before compiling
         recipe.max_tokens = max(per_rank)
         model.warm_tables(max(per_rank), device)

@@ -139,6 +139,8 @@ class RecordRecipe:
                                         schedule=self.schedule, tied=("lm_head", "embed"))
         self._long_window = None
         self.max_tokens = 0  # set by the loop: the largest micro-batch, for rebuilding RoPE tables
+        self.fp8_refreshes = 0
+        self._refresh_fp8()
 
     def stage_index(self, step: int) -> int:
         return self.schedule.at(min(step, self.schedule.total_steps - 1)).stage_index
@@ -167,6 +169,7 @@ class RecordRecipe:
 
     def sync_to(self, step: int) -> None:
         """Put YaRN in the state it has at ``step`` (after a reset, a warmup or a resume)."""
+        self._refresh_fp8()  # weights were (re)loaded
         self.model.reset_yarn()
         if self.max_tokens:
             self.model.warm_tables(self.max_tokens, self.model.lm_head.device)
@@ -181,6 +184,13 @@ class RecordRecipe:
 
     def optimizer_step(self, step: int) -> None:
         self.optimizer.step(step)
+        self._refresh_fp8()
+
+    def _refresh_fp8(self) -> None:
+        """FP8 weight copies follow every change of the weights, and only those."""
+        if self.model.uses_fp8_weights:
+            self.model.refresh_fp8_weights()
+            self.fp8_refreshes += 1
 
     def on_clock_start(self) -> None:
         """The record builds the prefix table inside the timed region."""
