@@ -268,7 +268,7 @@ def _quantize(w, scale, fp8_dtype, *, transposed, out=None, out_t=None, amax=Non
     R, C = w.shape[-2:]
     B = w.shape[0] if w.dim() == 3 else 1
     if interpreting():
-        br, bc, warps = 32, 64, 1  # few programs: the interpreter pays per program
+        br, bc, warps = 128, 128, 1  # few programs: the interpreter pays per program and per op
     else:
         br, bc, warps = QUANT_CONFIG
     grid = (triton.cdiv(R, br) * triton.cdiv(C, bc), B)

@@ -177,6 +177,13 @@ def evaluate(model, val_files, cfg: RunConfig, info, dtype, per_rank: int, args:
     return (stats[0] / stats[1]).item()
 
 
+def _compile_count() -> int:
+    """Graphs dynamo has compiled so far in this process (frames that produced a graph)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
 def _rng_state(device: torch.device) -> dict:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -348,6 +355,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     stopped = False
     if start_step == 0 and cfg.train.val_every > 0:
         last_val = validate(0)
+    compiles_before = _compile_count() if cfg.train.compile else 0
     _sync(device)
     t0 = time.perf_counter()
     recipe.on_clock_start()
@@ -394,6 +402,13 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
             window_start = t0
     loader.close()
 
+    if cfg.train.compile:
+        # Every shape should have been compiled in the warmup; a compile in the timed region costs
+        # seconds and makes the run's time meaningless, so it is counted and reported.
+        recompiles = _compile_count() - compiles_before
+        log.print(f"compilations during the timed region: {recompiles}"
+                  + ("" if recompiles == 0 else " (WARNING: the warmup missed a shape; this run's time includes compiling)"))
+        log.metric(event="recompiles", count=recompiles)
     sample = ""
     if not stopped and info.is_main:
         if device.type == "cuda":
