@@ -48,6 +48,7 @@ class Attention(nn.Module):
         self.rotary = Rotary(cfg.qk_head_dim, cfg.rope_fraction, cfg.rope_base)
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.qk_head_dim**-0.5
         self.backend_name = cfg.attention_backend
+        self._attend: dict = {}
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, window: int | None) -> torch.Tensor:
         """x: (T, model_dim) -> (T, model_dim)."""
@@ -56,7 +57,9 @@ class Attention(nn.Module):
         q, k, v = qkv.split((self.qk_dim, self.qk_dim, self.v_dim), dim=-1)
         q = self.rotary(rms_norm(q))
         k = self.rotary(rms_norm(k))
-        attend = get_backend(self.backend_name, x.device)
+        attend = self._attend.get(x.device)
+        if attend is None:  # resolved once per device: keeps the backend check out of compiled graphs
+            attend = self._attend[x.device] = get_backend(self.backend_name, x.device)
         y = attend(q, k, v.contiguous(), cu_seqlens, max_seqlen, window=window, scale=self.scale)
         return self.proj(y.reshape(T, self.num_heads * self.v_dim))
 
