@@ -284,7 +284,8 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         log.print("=" * 100, console=False)
         for line in environment_lines(device):
             log.print(line, console=False)
-        log.print(f"world_size: {info.world_size} grad_accum: {cfg.train.grad_accum} dtype: {dtype}", console=False)
+        log.print(f"world_size: {info.world_size} grad_accum: {grad_accum_steps(cfg, info.world_size)} dtype: {dtype}",
+                  console=False)
         log.print(f"train shards: {len(train_files)} ({train_files[0]} ...) val shards: {len(val_files)}", console=False)
         log.print(f"parameters: {sum(p.numel() for p in model.parameters()):,}", console=False)
         log.print("=" * 100, console=False)
