@@ -1,0 +1,50 @@
+"""Training paths on a CUDA GPU (run on the H200: `python -m pytest -q -m gpu tests`)."""
+
+import json
+
+import pytest
+import torch
+
+from speedrun.config import apply_overrides, preset
+from speedrun.train.loop import train
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _cache(builtin_cache, monkeypatch):
+    monkeypatch.setenv("SPEEDRUN_CACHE_DIR", str(builtin_cache))
+
+
+def _vals(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [m["val_loss"] for m in map(json.loads, lines) if m["event"] == "val"]
+
+
+@pytest.mark.parametrize("compile_", [False, True])
+def test_core_gpt_trains_on_gpu(tmp_path, compile_):
+    cfg = preset("tiny")
+    apply_overrides(cfg, ["train.steps=40", "train.val_every=20", f"out_dir={tmp_path}", f"train.compile={compile_}",
+                          "train.warmup_steps=1", "train.window=128"])
+    result = train(cfg, console=False)
+    vals = _vals(result.run_dir)
+    assert vals[-1] < vals[0] - 1.0
+    log = (result.run_dir / "log.txt").read_text()
+    assert "peak memory allocated:" in log
+    if compile_:
+        assert "compilations during the timed region: 0" in log
+
+
+@pytest.mark.parametrize("switches", [
+    [],                                                                           # record baseline kernels
+    ["model.kernels=fp8", "model.qkv_path=reference"],
+    ["model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_head_dim=16"],  # candidate switches
+])
+def test_record_code_path_trains_on_gpu(tmp_path, switches):
+    cfg = preset("tiny-record")
+    apply_overrides(cfg, ["model.model_dim=128", "model.num_heads=4", "model.qk_head_dim=32", "model.v_head_dim=32",
+                          "train.steps=30", "train.num_extension=3", "train.val_every=15", "train.val_tokens=16384",
+                          f"out_dir={tmp_path}", "train.dtype=bf16", *switches])
+    result = train(cfg, console=False)
+    vals = _vals(result.run_dir)
+    assert all(v == v for v in vals) and vals[-1] < vals[0] - 0.5, vals
