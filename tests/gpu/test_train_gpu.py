@@ -36,7 +36,7 @@ def test_core_gpt_trains_on_gpu(tmp_path, compile_):
 
 
 @pytest.mark.parametrize("switches", [
-    [],                                                                           # record baseline kernels
+    [],                                                                           # plain PyTorch kernels
     ["model.kernels=fp8", "model.qkv_path=reference"],
     ["model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_head_dim=16"],  # candidate switches
 ])
