@@ -58,6 +58,21 @@ def builtin_cache(tmp_path_factory) -> Path:
     return Path(env) if env else tmp_path_factory.mktemp("speedrun-cache")
 
 
+@pytest.fixture
+def use_builtin_cache(builtin_cache, monkeypatch):
+    """Point SPEEDRUN_CACHE_DIR at the session's built-in corpus cache (built once per session)."""
+    monkeypatch.setenv("SPEEDRUN_CACHE_DIR", str(builtin_cache))
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two threads fight other processes (10x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything():
     torch.manual_seed(0)

@@ -4,29 +4,17 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from speedrun.cli import main
 from speedrun.errors import ConfigError
 from speedrun.evidence.arms import ArmSpec, parse_arm, parse_arms
 from speedrun.evidence.bench import bootstrap_ratio_ci, describe_times
 
+
+pytestmark = pytest.mark.usefixtures("use_builtin_cache", "one_thread")
+
 SMALL = ["model.num_layers=1", "model.model_dim=64", "model.num_heads=2", "model.qk_head_dim=16",
          "model.v_head_dim=32", "train.batch_tokens=1024", "train.max_seq_len=128"]
-
-
-@pytest.fixture(autouse=True)
-def _cache(builtin_cache, monkeypatch):
-    monkeypatch.setenv("SPEEDRUN_CACHE_DIR", str(builtin_cache))
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # On a shared 2-core machine two intra-op threads fight other processes: 10x slower steps.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_arm_syntax():

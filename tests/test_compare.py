@@ -3,11 +3,13 @@
 import json
 
 import pytest
-import torch
 
 from speedrun.errors import ConfigError
 from speedrun.evidence.arms import parse_arms
 from speedrun.evidence.compare import MANIFEST, make_plan, make_seeds, run_compare
+
+
+pytestmark = pytest.mark.usefixtures("use_builtin_cache", "one_thread")
 
 COMMON = [
     "model.num_layers=1", "model.model_dim=64", "model.num_heads=2", "model.qk_head_dim=16", "model.v_head_dim=32",
@@ -15,20 +17,6 @@ COMMON = [
     "train.val_tokens=1024", "train.log_every=1", "train.sample_tokens=0", "train.checkpoint_every=2",
     "train.lr_warmup_steps=1",
 ]
-
-
-@pytest.fixture(autouse=True)
-def _cache(builtin_cache, monkeypatch):
-    monkeypatch.setenv("SPEEDRUN_CACHE_DIR", str(builtin_cache))
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # On a shared 2-core machine two intra-op threads fight other processes: 10x slower steps.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _fp(measure):

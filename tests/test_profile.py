@@ -10,21 +10,11 @@ from speedrun.errors import EnvironmentProblem
 from speedrun.evidence import profile as prof
 from speedrun.evidence.profile import Ceilings, OpCost, dtype_bytes, kernel_key, op_cost, parse_ncu_csv
 
+
+pytestmark = pytest.mark.usefixtures("use_builtin_cache", "one_thread")
+
 SMALL = ["model.num_layers=1", "model.model_dim=64", "model.num_heads=2", "model.qk_head_dim=16",
          "model.v_head_dim=32", "train.batch_tokens=1024", "train.max_seq_len=128"]
-
-
-@pytest.fixture(autouse=True)
-def _cache(builtin_cache, monkeypatch):
-    monkeypatch.setenv("SPEEDRUN_CACHE_DIR", str(builtin_cache))
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_dtype_names():

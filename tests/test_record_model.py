@@ -26,13 +26,7 @@ from speedrun.model.rotary import apply_rotary
 
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Toy shapes run far faster on one thread, and CI's 2 cores are shared."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 ARGS = ForwardArgs(window_short=8, window_long=24, mtp_weights=(1.0, 0.5, 0.25), prefix_weight=0.25)

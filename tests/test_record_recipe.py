@@ -12,9 +12,7 @@ from speedrun.train.loop import stages_of, train
 from speedrun.train.recipes import record_stages_scaled
 
 
-@pytest.fixture(autouse=True)
-def _cache(builtin_cache, monkeypatch):
-    monkeypatch.setenv("SPEEDRUN_CACHE_DIR", str(builtin_cache))
+pytestmark = pytest.mark.usefixtures("use_builtin_cache")
 
 
 def tiny_record(tmp_path, *extra):

@@ -11,9 +11,7 @@ from speedrun.train.checkpoint import list_checkpoints
 from speedrun.train.loop import train
 
 
-@pytest.fixture(autouse=True)
-def _cache(builtin_cache, monkeypatch):
-    monkeypatch.setenv("SPEEDRUN_CACHE_DIR", str(builtin_cache))
+pytestmark = pytest.mark.usefixtures("use_builtin_cache")
 
 
 def small_cfg(tmp_path, **train):

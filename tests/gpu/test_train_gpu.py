@@ -3,17 +3,11 @@
 import json
 
 import pytest
-import torch
 
 from speedrun.config import apply_overrides, preset
 from speedrun.train.loop import train
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _cache(builtin_cache, monkeypatch):
-    monkeypatch.setenv("SPEEDRUN_CACHE_DIR", str(builtin_cache))
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("use_builtin_cache")]
 
 
 def _vals(run_dir):
