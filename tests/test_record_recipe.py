@@ -8,8 +8,8 @@ import torch
 from speedrun.config import apply_overrides, preset
 from speedrun.optim.schedule import RecordSchedule
 from speedrun.train.checkpoint import list_checkpoints
-from speedrun.train.loop import stages_of, train
-from speedrun.train.recipes import record_stages_scaled
+from speedrun.train.loop import train
+from speedrun.train.recipes import record_stages_scaled, stages_of
 
 
 pytestmark = pytest.mark.usefixtures("use_builtin_cache")

@@ -25,6 +25,7 @@ from speedrun.errors import ConfigError, DataError
 from speedrun.model import build_model
 from speedrun.model.interface import ForwardArgs
 from speedrun.train.checkpoint import load_latest, load_rank_state, save_checkpoint, save_rank_state
+from speedrun.train.recipes import build_recipe
 from speedrun.train.runlog import RunLog, environment_lines, new_run_dir, step_line, val_line
 
 
@@ -80,19 +81,6 @@ def resolve_data(cfg: RunConfig):
     if tokenizer is not None and tokenizer.bos_id != d.bos_id:
         raise ConfigError(f"data.bos_id={d.bos_id} but tokenizer {tokenizer.name} uses BOS {tokenizer.bos_id}")
     return train_files, val_files, tokenizer
-
-
-def stages_of(cfg: RunConfig) -> list[Stage]:
-    """The run's stages (batch size, sequence cap, windows from each start step)."""
-    t = cfg.train
-    if t.schedule == "record":
-        from speedrun.train.recipes import record_schedule
-
-        return record_schedule(cfg).to_config_stages()
-    if t.stages:
-        return sorted(t.stages, key=lambda s: s.start_step)
-    window = t.window or None
-    return [Stage(0, t.batch_tokens, t.max_seq_len, window, window)]
 
 
 def grad_accum_steps(cfg: RunConfig, world: int) -> int:
@@ -254,8 +242,6 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
 
     torch.manual_seed(cfg.train.seed)
     train_files, val_files, tokenizer = resolve_data(cfg)
-    from speedrun.train.recipes import build_recipe
-
     model = build_model(cfg.model).to(device)
     if dtype == torch.bfloat16 and hasattr(model, "cast_to_record_dtypes"):
         model.cast_to_record_dtypes(torch.bfloat16)  # bf16 weights, fp32 scalars (NorMuon tracks mantissas)
@@ -416,7 +402,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
             peak = torch.cuda.max_memory_allocated(device) // 2**20
             reserved = torch.cuda.max_memory_reserved(device) // 2**20
             log.print(f"peak memory allocated: {peak} MiB reserved: {reserved} MiB")
-        sample = _sample(model, tokenizer, cfg, device)
+        sample = _sample(model, tokenizer, cfg, device, stages[-1].window_short)
         if sample:
             (run_dir / "sample.txt").write_text(sample, encoding="utf-8")
             log.print("sample: " + json.dumps(sample, ensure_ascii=False))
@@ -429,7 +415,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     return TrainResult(run_dir, total_steps, last_val, train_ms, sample, stopped, info.rank)
 
 
-def _sample(model, tokenizer, cfg: RunConfig, device) -> str:
+def _sample(model, tokenizer, cfg: RunConfig, device, window: int | None) -> str:
     if tokenizer is None or cfg.train.sample_tokens <= 0 or not hasattr(model, "generate"):
         return ""
     g = torch.Generator(device=device).manual_seed(cfg.train.seed)
@@ -437,8 +423,7 @@ def _sample(model, tokenizer, cfg: RunConfig, device) -> str:
     was_training = model.training
     model.eval()
     with _autocast(device, torch.bfloat16 if device.type == "cuda" else torch.float32):
-        ids = model.generate(prompt, cfg.train.sample_tokens, generator=g,
-                             window=stages_of(cfg)[-1].window_short)
+        ids = model.generate(prompt, cfg.train.sample_tokens, generator=g, window=window)
     model.train(was_training)
     return cfg.train.sample_prompt + tokenizer.decode(ids)
 

@@ -42,6 +42,17 @@ def _ramp(value, t: float) -> float:
     return float(value)
 
 
+def stages_of(cfg: RunConfig) -> list[Stage]:
+    """The run's stages (batch size, sequence cap, windows from each start step)."""
+    t = cfg.train
+    if t.schedule == "record":
+        return record_schedule(cfg).to_config_stages()
+    if t.stages:
+        return sorted(t.stages, key=lambda s: s.start_step)
+    window = t.window or None
+    return [Stage(0, t.batch_tokens, t.max_seq_len, window, window)]
+
+
 class CoreRecipe:
     grads_reduced_by_optimizer = False
 
@@ -52,11 +63,7 @@ class CoreRecipe:
         if t.optimizer != "adam":
             raise ConfigError(f"train.optimizer={t.optimizer!r} needs train.schedule=record; the trapezoid "
                               f"schedule uses adam")
-        if t.stages:
-            self.stages = sorted(t.stages, key=lambda s: s.start_step)
-        else:
-            window = t.window or None
-            self.stages = [Stage(0, t.batch_tokens, t.max_seq_len, window, window)]
+        self.stages = stages_of(cfg)
         self.total = t.steps
         self.model = model
         self.optimizer = CoreOptimizer(model, t)
