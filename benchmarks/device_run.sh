@@ -1,14 +1,28 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, doctor, benchmarks and a short GPU training, results under $OUT.
 # Usage (on the GPU machine, repo root):  bash benchmarks/device_run.sh [parts...]
-# parts: tests doctor attention kernels train record (default: all but record).  Webmix shards (.xz) are read from
-# .carry/ when present.
+# parts: tests doctor attention kernels train record profile abloss recordrun candrun (default: the first five).
+# Webmix shards (.xz) are read from .carry/ when present.  BUDGET_S (default 570) bounds the whole
+# call: each part's timeout is cut to what is left of it, so a hung part cannot eat the call.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-$PWD/bench_out}
 mkdir -p "$OUT"
 parts=${*:-"tests doctor attention kernels train"}
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
+DEADLINE=$(( $(date +%s) + ${BUDGET_S:-570} ))
+# left CAP: seconds this part may take, at most CAP and at most what is left of the budget
+left() { local r=$(( DEADLINE - $(date +%s) - 5 )); [ "$r" -lt "$1" ] && echo $(( r > 1 ? r : 1 )) || echo "$1"; }
+# short_run PRESET: the preset's full model and recipe on a shortened schedule (35 steps in each of the
+# three stages + 30 extension steps), full 10,485,760-token validation, log into $OUT.
+short_run() {
+  log "$1 preset, shortened schedule (105 + 30 steps) on webmix"
+  timeout "$(left "$2")" python3 -m speedrun train --preset "$1" --steps 135 --set train.num_extension=30 \
+    --out /tmp/runs --name "$1-short" --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" \
+    --val-data "$SPEEDRUN_TEST_DATA/webmix_val_*.bin" --set train.max_docs=256 --quiet 2>&1 | tail -30
+  cp /tmp/runs/"$1"-short-*/log.txt "$OUT/$1_short_log.txt" 2>/dev/null
+  grep -E "warmup|stage [0-9]|val_loss|compilations|peak" "$OUT/$1_short_log.txt" 2>/dev/null | grep -v "^step:[0-9]*/[0-9]* train_time" | tail -12
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
 if [ -d .carry ] && ls .carry/*.xz >/dev/null 2>&1; then
   mkdir -p /tmp/webmix
@@ -20,7 +34,7 @@ for part in $parts; do
   case $part in
     tests)
       log "GPU tests"
-      timeout 400 python3 -m pytest -q -m gpu tests 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
+      timeout "$(left ${TESTS_S:-400})" python3 -m pytest -q -m gpu tests ${TESTS_ARGS:-} 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
     doctor)
       log doctor
       timeout 120 python3 -m speedrun doctor 2>&1 | tail -30 | tee "$OUT/doctor.txt" ;;
@@ -40,11 +54,30 @@ for part in $parts; do
       cp /tmp/runs/*/log.txt "$OUT/small_webmix_log.txt" 2>/dev/null ;;
     record)
       log "record vs candidate: one optimizer step per stage, interleaved (bench step)"
-      for stage in 0 1 2; do
-        timeout 550 python3 -m speedrun bench step --arm base=record --arm cand=candidate --stage $stage \
+      for stage in ${STAGES:-0 1 2}; do
+        timeout "$(left 550)" python3 -m speedrun bench step --arm base=record --arm cand=candidate --stage $stage \
           --steps 20 --warmup 3 --set train.max_docs=256 \
           --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --json "$OUT/bench_step_stage$stage.json" 2>&1 | tail -12
       done ;;
+    profile)
+      for arm in ${PROFILE_ARMS:-record candidate}; do
+        log "profile $arm at stage-3 shapes (stage index 2), 2 steps"
+        timeout "$(left 300)" python3 -m speedrun profile --arm "$arm" --stage 2 --steps 2 --warmup 2 \
+          --set train.max_docs=256 --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --out "/tmp/prof_$arm" --top 25 2>&1 | tail -45
+        cp "/tmp/prof_$arm/profile.md" "$OUT/profile_$arm.md" 2>/dev/null
+      done ;;
+    abloss)
+      log "loss A/B: record vs candidate, ${AB_SEEDS:-3} seeds each, eager, batch/4, 105 + 30 steps"
+      timeout "$(left 580)" python3 -m speedrun compare --arm base=record --arm cand=candidate \
+        --seeds "${AB_SEEDS:-3}" --out /tmp/ab --quiet --no-measure --set train.compile=false \
+        --set train.batch_divisor=4 --set train.steps=135 --set train.num_extension=30 \
+        --set train.max_docs=256 --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" \
+        --val-data "$SPEEDRUN_TEST_DATA/webmix_val_*.bin" 2>&1 | tail -30
+      mkdir -p "$OUT/ab"; cp /tmp/ab/README.md /tmp/ab/results.json /tmp/ab/manifest.json /tmp/ab/*.png "$OUT/ab/" 2>/dev/null
+      for d in /tmp/ab/runs/*/; do cp "$d/log.txt" "$OUT/ab/$(basename "$d").log.txt" 2>/dev/null; done
+      cat /tmp/ab/README.md 2>/dev/null | head -40 ;;
+    recordrun) short_run record 400 ;;
+    candrun) short_run candidate 400 ;;
   esac
 done
 log done

@@ -142,9 +142,13 @@ def test_gpu_attribution_and_report_from_fake_events(tmp_path):
     assert by["aten::copy_ (host copy)"].cost is None  # PCIe, not HBM: no floor
     need = prof.kernel_needed_bytes(groups)
     assert need[gemm] == pytest.approx(2 * (4096 * 768 + 768 * 3072 + 4096 * 3072) * 2)
+    # Inductor's range around a compiled graph shows on the device timeline too: not a kernel.
+    graph_range = _fake_kernel("## Call CompiledFxGraph fb5wfzvugwjb ##", 500.0)
+    graph_range.is_user_annotation = False
     kernels = prof.kernel_table(ev + [_fake_kernel(gemm, 30.0), _fake_kernel(gemm, 34.0),
-                                      _fake_kernel("triton_red_fused_0", 5.0)])
+                                      _fake_kernel("triton_red_fused_0", 5.0), graph_range])
     assert kernels[0] == {"kernel": gemm, "calls": 2, "time_us": 64.0}
+    assert not any(k["kernel"].startswith("## ") for k in kernels)
     for k in kernels:
         k["needed_bytes"] = need.get(k["kernel"])
     report = prof.ProfileReport("t", "cuda:0", 2, ceil, groups, kernels, total_us=69.0)

@@ -23,8 +23,13 @@ def reference_attention(
     window: int | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """See :mod:`speedrun.attention` for the contract.  ``max_seqlen`` is not needed here."""
+    """See :mod:`speedrun.attention` for the contract.  ``max_seqlen`` is not needed here.
+
+    Under ``torch.compile`` the document gather (whose shapes depend on the data) is replaced by
+    one dense (T, T) mask from document ids: same result, O(T^2) memory, traceable."""
     check_inputs(q, k, v, cu_seqlens, "reference")
+    if torch.compiler.is_compiling():
+        return _dense_masked_attention(q, k, v, cu_seqlens, window, scale)
     T, H, dqk = q.shape
     dv = v.shape[-1]
     if scale is None:
@@ -63,3 +68,20 @@ def reference_attention(
     flat_idx = idx[valid]
     out = out.index_copy(0, flat_idx, y)
     return out.to(out_dtype)
+
+
+def _dense_masked_attention(q, k, v, cu_seqlens, window, scale):
+    """Traceable form of :func:`reference_attention`: causal, same-document, windowed (T, T) mask."""
+    T, H, dqk = q.shape
+    if scale is None:
+        scale = dqk**-0.5
+    pos = torch.arange(T, device=q.device)
+    doc = torch.searchsorted(cu_seqlens.to(device=q.device, dtype=torch.long), pos, right=True)
+    i, j = pos[:, None], pos[None, :]
+    allowed = (j <= i) & (doc[:, None] == doc[None, :])
+    if window is not None:
+        allowed = allowed & (i - j <= window)
+    compute = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cpu" else q.dtype
+    y = F.scaled_dot_product_attention(q.to(compute).transpose(0, 1), k.to(compute).transpose(0, 1),
+                                       v.to(compute).transpose(0, 1), attn_mask=allowed[None], scale=scale)
+    return y.transpose(0, 1).to(v.dtype)

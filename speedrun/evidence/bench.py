@@ -92,7 +92,7 @@ def build_session(name: str, cfg: RunConfig, stage_index: int, info) -> Session:
     the way :func:`speedrun.train.loop.train` builds them."""
     from speedrun.data import TrainLoader
     from speedrun.model import build_model
-    from speedrun.train.loop import resolve_data, tokens_per_rank
+    from speedrun.train.loop import compile_model, resolve_data, tokens_per_rank
     from speedrun.train.recipes import build_recipe
 
     cfg.model.validate()
@@ -116,7 +116,7 @@ def build_session(name: str, cfg: RunConfig, stage_index: int, info) -> Session:
         model.warm_tables(per_rank, device)
     recipe.sync_to(stage.start_step)
     recipe.on_clock_start()
-    run_model = torch.compile(model, dynamic=False) if cfg.train.compile else model
+    run_model = compile_model(model, cfg)
     loader = TrainLoader(train_files, per_rank, stage.max_seq_len, rank=info.rank, world_size=info.world_size,
                          bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size,
                          max_docs=cfg.train.max_docs or None, device=device,

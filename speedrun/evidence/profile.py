@@ -249,7 +249,11 @@ _HOST_COPY = re.compile(r"^Memcpy (HtoD|DtoH|HtoH|PtoP)|^Memcpy .*(Pageable|Pinn
 
 
 def _is_annotation(evt) -> bool:
-    return bool(getattr(evt, "is_user_annotation", False)) or evt.name.startswith("ProfilerStep")
+    """Ranges that mark code, not work: ProfilerStep#N, record_function ranges, and the ranges
+    Inductor puts around each compiled graph ("## Call CompiledFxGraph ... ##"), which also show
+    on the device timeline spanning all the kernels inside them."""
+    return (bool(getattr(evt, "is_user_annotation", False)) or evt.name.startswith("ProfilerStep")
+            or evt.name.startswith("## "))
 
 
 def group_events(events: Iterable, device: str, default_dtype: str, ceilings: Ceilings) -> list[OpGroup]:
@@ -299,7 +303,7 @@ def kernel_table(events: Iterable) -> list[dict]:
 
     out: dict[str, dict] = {}
     for evt in events:
-        if evt.device_type != DeviceType.CUDA:
+        if evt.device_type != DeviceType.CUDA or _is_annotation(evt):
             continue
         d = out.setdefault(evt.name, {"kernel": evt.name, "calls": 0, "time_us": 0.0})
         d["calls"] += 1

@@ -586,6 +586,29 @@ class _Relu2MLP(torch.autograd.Function):
         return dx, dw1, dw2, None, None, None, None
 
 
+def relu2_mlp_forward(ctx, x, w1, w2, *, mode: str, cache=None, scales: "MLPScaleState | None" = None) -> torch.Tensor:
+    """The forward half of :func:`relu2_mlp` for callers that run forward and backward themselves
+    (:mod:`speedrun.kernels.opaque`): same arguments, state for the backward kept on ``ctx`` (a
+    :class:`~speedrun.kernels.opaque.KernelCtx`).  Returns y (..., D)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    _check_mlp_args(x2, w1, w2, mode, cache)
+    c1 = c2 = None
+    if mode != "bf16":
+        c1, c2 = _weights_fp8(w1, w2, cache)
+        if scales is None:
+            scales = MLPScaleState.create(x.device)
+    ctx.x_shape = x.shape
+    y = _Relu2MLP.forward(ctx, x2.contiguous(), w1, w2, mode, c1, c2, scales)
+    return y.reshape(*lead, w2.shape[0])
+
+
+def relu2_mlp_backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward half: ``g`` (..., D) -> (dx like x, dw1 (H, D), dw2 (D, H))."""
+    dx, dw1, dw2 = _Relu2MLP.backward(ctx, g.reshape(-1, g.shape[-1]))[:3]
+    return dx.reshape(ctx.x_shape), dw1, dw2
+
+
 def relu2_mlp(
     x: torch.Tensor,
     w1: torch.Tensor,

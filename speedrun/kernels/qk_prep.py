@@ -430,6 +430,30 @@ def qk_prep(
                          DEFAULT_EPS if eps is None else float(eps))
 
 
+def qk_prep_forward(ctx, qkv, cos, sin, *, num_heads: int, qk_dim: int, v_dim: int, paired: bool = False,
+                    key_offset: bool = False, pad_to: int | None = None, aux_v=None, eps: float | None = None):
+    """The fused forward of :func:`qk_prep` (same arguments, Triton only) for callers that run
+    forward and backward themselves (:mod:`speedrun.kernels.opaque`); state on ``ctx``."""
+    dims = _check(qkv, cos, sin, num_heads, qk_dim, v_dim, paired, key_offset, pad_to, aux_v, eps, "qk_prep")
+    ctx.needs_input_grad = (True, aux_v is not None, False, False, False, False, False)
+    return _QKPrep.forward(ctx, qkv, aux_v, cos, sin, dims, (bool(paired), bool(key_offset)),
+                           DEFAULT_EPS if eps is None else float(eps))
+
+
+def qk_prep_backward(ctx, dq, dk, dv):
+    """The backward half: (dq, dk, dv) -> (dqkv, daux_v or None)."""
+    return _QKPrep.backward(ctx, dq, dk, dv)[:2]
+
+
+def qk_prep_out_shapes(T: int, num_heads: int, qk_dim: int, v_dim: int, *, paired: bool = False,
+                       pad_to: int | None = None) -> list[tuple[int, ...]]:
+    """Shapes of (q, k, v) as :func:`qk_prep` returns them."""
+    dout = qk_dim if pad_to is None else pad_to
+    if paired:
+        return [(2 * T, num_heads // 2, dout), (2 * T, num_heads // 2, dout), (2 * T, num_heads // 2, v_dim)]
+    return [(T, num_heads, dout), (T, num_heads, dout), (T, num_heads, v_dim)]
+
+
 def qk_prep_bytes(T: int, num_heads: int, qk_dim: int, v_dim: int, n_freq: int, *, pad_to: int | None = None,
                   key_offset: bool = False, aux_v: bool = False, itemsize: int = 2, backward: bool = False) -> int:
     """Compulsory DRAM bytes of one qk_prep call (forward, or ``backward``), for roofline numbers.

@@ -431,6 +431,23 @@ def packed_qkv_linear(
                                   H, dqk, dv, dw_fp8, use_fast_accum)
 
 
+def packed_qkv_forward(ctx, x, packed, w_qk, w_v, sa_lambda, *, num_heads=None, dw_fp8=False,
+                       use_fast_accum=True) -> torch.Tensor:
+    """The forward half of :func:`packed_qkv_linear` (same arguments) for callers that run forward
+    and backward themselves (:mod:`speedrun.kernels.opaque`); state for the backward on ``ctx``."""
+    H, dqk, dv, D = _check_linear_args(x, packed, w_qk, w_v, sa_lambda, num_heads, "packed_qkv_linear")
+    if packed is None:
+        packed = pack_qkv_fp8(w_qk.detach(), w_v.detach(), sa_lambda, num_heads=H)
+    ctx.needs_input_grad = (True, True, True, True) + (False,) * 8
+    return _PackedQKVLinear.forward(ctx, x.contiguous(), w_qk, w_v, sa_lambda, packed.data, packed.data_t,
+                                    packed.scale, H, dqk, dv, dw_fp8, use_fast_accum)
+
+
+def packed_qkv_backward(ctx, dy: torch.Tensor):
+    """The backward half: dy (T, N) -> (dx, dw_qk, dw_v, dsa_lambda or None)."""
+    return _PackedQKVLinear.backward(ctx, dy)[:4]
+
+
 def packed_qkv_linear_reference(
     x: torch.Tensor,
     packed: PackedQKV | None,

@@ -97,7 +97,23 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.model_dim)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.lm_head = nn.Linear(cfg.model_dim, cfg.padded_vocab_size, bias=False)
+        self._hidden_fn = None  # torch.compile'd hidden (compile_body), else the eager method
         self.reset_parameters()
+
+    def __setstate__(self, state) -> None:
+        """A copy (deepcopy, pickle) is uncompiled: the original's compiled function runs the original."""
+        super().__setstate__(state)
+        self._hidden_fn = None
+
+    def compile_body(self, **compile_kwargs) -> None:
+        """Run :meth:`hidden` through ``torch.compile`` from now on (the head and loss stay eager),
+        with ``fullgraph=True``: a graph break inside the block loop would make Dynamo skip the whole
+        network and run it eagerly, so it is an error instead."""
+        device = self.lm_head.weight.device
+        for block in self.blocks:  # resolved here: backend checks are not traceable
+            if device not in block.attn._attend:
+                block.attn._attend[device] = get_backend(block.attn.backend_name, device)
+        self._hidden_fn = torch.compile(self.hidden, fullgraph=True, **compile_kwargs)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -126,7 +142,7 @@ class GPT(nn.Module):
 
     def per_token_loss(self, batch, args: ForwardArgs = ForwardArgs()) -> torch.Tensor:
         """Next-token cross entropy per position, (T,) float32 (nats)."""
-        h = self.hidden(batch.inputs, batch.cu_seqlens, batch.max_seqlen, args.window_short)
+        h = (self._hidden_fn or self.hidden)(batch.inputs, batch.cu_seqlens, batch.max_seqlen, args.window_short)
         return F.cross_entropy(self.logits(h), batch.targets.long(), reduction="none")
 
     def loss(self, batch, args: ForwardArgs = ForwardArgs()) -> torch.Tensor:

@@ -42,23 +42,52 @@ class FusedHead:
 
 
 class FusedMLP:
-    """``mlp_impl(x, w_fc (H, D), w_proj (H, D), layer)`` through :func:`speedrun.kernels.mlp.relu2_mlp`."""
+    """``mlp_impl(x, w_fc (H, D), w_proj (H, D), layer)`` through :func:`speedrun.kernels.mlp.relu2_mlp`.
+
+    Each layer's call is one opaque op (:mod:`speedrun.kernels.opaque`), so ``torch.compile`` keeps
+    the network in one graph around it; :meth:`prepare` registers the layers' ops before compiling."""
 
     def __init__(self, mode: str, weights=None):
         self.mode = mode
         self.weights = weights  # layer -> cached (FP8Weight w1, FP8Weight w2) or None
         self.scales: dict[int, object] = {}
+        self._handles: dict[int, int] = {}
 
-    def __call__(self, x, w_fc, w_proj, layer: int | None = None):
+    def __setstate__(self, state) -> None:
+        """Copies (deepcopy, pickle) register their own ops: the originals' ops run the originals."""
+        self.__dict__.update(state)
+        layers = [None if k == -1 else k for k in self._handles]
+        self._handles = {}
+        self.prepare(layers)
+
+    def prepare(self, layers) -> None:
+        """Register the op of every layer in ``layers`` (call outside compiled code)."""
+        for layer in layers:
+            self._handle(layer)
+
+    def _handle(self, layer: int | None) -> int:
+        from speedrun.kernels import opaque
+
+        key = -1 if layer is None else layer
+        if key not in self._handles:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(f"FusedMLP: layer {layer} was not prepared before torch.compile")
+            self._handles[key] = opaque.register(opaque.OpaqueKernel(
+                name=f"relu2_mlp[{self.mode}, layer {key}]",
+                forward=lambda ctx, ts, key=key, layer=layer: self._forward(ctx, ts, key, layer),
+                backward=self._backward,
+                out_specs=lambda ts: [((*ts[0].shape[:-1], ts[2].shape[1]), ts[0].dtype)],
+                diff=(True, True, True),
+            ))
+        return self._handles[key]
+
+    def _forward(self, ctx, tensors, key: int, layer: int | None):
         from speedrun.kernels.fp8_cache import FP8Weight, quantize_current
-        from speedrun.kernels.mlp import MLPScaleState, relu2_mlp
+        from speedrun.kernels.mlp import MLPScaleState, relu2_mlp_forward
 
-        in_dtype = x.dtype
-        dtype = torch.bfloat16 if in_dtype not in (torch.bfloat16, torch.float16) else in_dtype
-        w1, w2 = w_fc.to(dtype), w_proj.to(dtype)
+        x, w1, w_proj = tensors
         scales = cache = None
         if self.mode != "bf16":
-            key = -1 if layer is None else layer
             if key not in self.scales:
                 self.scales[key] = MLPScaleState.create(x.device)
             scales = self.scales[key]
@@ -66,8 +95,22 @@ class FusedMLP:
             if cache is None:
                 # Both layouts of each weight from one quantisation; w_proj is stored (H, D), so its
                 # (D, H) view is the transposed entry.
-                cache = (FP8Weight(*quantize_current(w1.detach())), FP8Weight(*quantize_current(w2.detach())).t())
-        y = relu2_mlp(x.to(dtype), w1, w2.t(), mode=self.mode, scales=scales, cache=cache)
+                cache = (FP8Weight(*quantize_current(w1.detach())), FP8Weight(*quantize_current(w_proj.detach())).t())
+        return [relu2_mlp_forward(ctx, x, w1, w_proj.t(), mode=self.mode, cache=cache, scales=scales)]
+
+    @staticmethod
+    def _backward(ctx, grads):
+        from speedrun.kernels.mlp import relu2_mlp_backward
+
+        dx, dw1, dw2 = relu2_mlp_backward(ctx, grads[0])
+        return [dx, dw1, dw2.t()]
+
+    def __call__(self, x, w_fc, w_proj, layer: int | None = None):
+        from speedrun.kernels import opaque
+
+        in_dtype = x.dtype
+        dtype = torch.bfloat16 if in_dtype not in (torch.bfloat16, torch.float16) else in_dtype
+        y = opaque.call(self._handle(layer), [x.to(dtype), w_fc.to(dtype), w_proj.to(dtype)])[0]
         return y.to(in_dtype)
 
 
@@ -80,3 +123,4 @@ def install_kernels(model, mode: str) -> None:
     model.ce_impl = FusedHead(use_fp8=mode != "triton")
     model.mlp_impl = FusedMLP({"triton": "bf16", "fp8": "fp8_fwd", "fp8_full": "fp8_full"}[mode],
                               weights=getattr(model, "mlp_fp8_weights", None))
+    model.mlp_impl.prepare(range(getattr(model, "num_layers", 0)))

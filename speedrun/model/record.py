@@ -319,6 +319,10 @@ class RecordGPT(nn.Module):
 
             install_kernels(self, model_cfg.kernels)
         self._backends: dict[torch.device, object] = {}
+        self._hidden_fn = None  # torch.compile'd hidden (compile_body), else the eager method
+        self._kernel_handles: dict[tuple, int] = {}
+        if model_cfg.qkv_path != "reference":
+            self._register_qkv_kernels()
 
     # ------------------------------------------------------------------------------------------
     # Parameters
@@ -631,20 +635,89 @@ class RecordGPT(nn.Module):
     def _packed_qkv(self, h, j, sa0, aux_v, paired: bool, key_offset: bool):
         """The candidate's projection: one packed [q|k|v]-per-head GEMM (FP8 with ``qkv_path=fused_fp8``)
         read straight from the banks, then the fused QK-prep kernel (norm, RoPE, key offset, layout).
-        Returns q, k (T, H, Dqk) and v (T, H, Dv), or (2T, H/2, D) views on paired layers."""
-        from speedrun.kernels.qk_prep import qk_prep
-        from speedrun.kernels.qkv_pack import packed_qkv_linear, packed_qkv_linear_reference
+        Returns q, k (T, H, Dqk) and v (T, H, Dv), or (2T, H/2, D) views on paired layers.  The
+        FP8 GEMM and QK-prep each run as one opaque op (:mod:`speedrun.kernels.opaque`)."""
+        from speedrun.kernels import opaque
+        from speedrun.kernels.qk_prep import qk_prep_reference
+        from speedrun.kernels.qkv_pack import packed_qkv_linear_reference
 
         H, dqk, dv = self.num_heads, self.qk_dim, self.v_dim
         T = h.shape[0]
         w_qk, w_v = self.qk_bank[j * H : (j + 1) * H], self.vo_bank[2 * j]
         if self.cfg.qkv_path == "fused_fp8":
-            qkv = packed_qkv_linear(h, self.qkv_fp8_weight(j), w_qk, w_v, sa0, num_heads=H)
+            qkv = opaque.call(self._kernel_handles[("qkv", j)], [h, w_qk, w_v, sa0])[0]
         else:
             qkv = packed_qkv_linear_reference(h, None, w_qk.type_as(h), w_v.type_as(h), sa0.type_as(h), num_heads=H)
         cos, sin = self.yarn.tables(2 * T if paired else T, h.device)
-        return qk_prep(qkv, cos, sin, num_heads=H, qk_dim=dqk, v_dim=dv, paired=paired, key_offset=key_offset,
-                       aux_v=None if aux_v is None else aux_v.type_as(qkv))
+        aux = None if aux_v is None else aux_v.type_as(qkv)
+        if not (h.is_cuda or self._triton_on_cpu):
+            return qk_prep_reference(qkv, cos, sin, num_heads=H, qk_dim=dqk, v_dim=dv, paired=paired,
+                                     key_offset=key_offset, aux_v=aux)
+        ins = [qkv, cos, sin] + ([] if aux is None else [aux])
+        q, k, v = opaque.call(self._kernel_handles[("qk_prep", j, aux is not None)], ins)
+        return q, k, v
+
+    def _register_qkv_kernels(self) -> None:
+        """One opaque op per attention layer for the packed FP8 GEMM and two for QK-prep (with and
+        without a value residual), registered here because compiled code cannot register them."""
+        from speedrun.kernels import opaque
+        from speedrun.kernels.fp8_cache import interpreting
+        from speedrun.kernels.qk_prep import qk_prep_backward, qk_prep_forward, qk_prep_out_shapes
+        from speedrun.kernels.qkv_pack import packed_qkv_backward, packed_qkv_forward
+
+        H, dqk, dv, a = self.num_heads, self.qk_dim, self.v_dim, self.arch
+        self._triton_on_cpu = interpreting()
+        for i in self.attn_layers:
+            j = self.attn_index[i]
+            paired = i in a.paired_head_layers
+            key_offset = i in a.long_window_layers and a.key_offset and not paired
+
+            def qkv_forward(ctx, ts, j=j):
+                h, w_qk, w_v, sa0 = ts
+                return [packed_qkv_forward(ctx, h, self.qkv_fp8_weight(j), w_qk, w_v, sa0, num_heads=H)]
+
+            self._kernel_handles[("qkv", j)] = opaque.register(opaque.OpaqueKernel(
+                name=f"packed_qkv_fp8[attention {j}]", forward=qkv_forward,
+                backward=lambda ctx, gs: list(packed_qkv_backward(ctx, gs[0])),
+                out_specs=lambda ts: [((ts[0].shape[0], H * (2 * dqk + dv)), ts[0].dtype)],
+                diff=(True, True, True, True),
+            ))
+            for has_aux in (False, True):
+                def prep_forward(ctx, ts, paired=paired, key_offset=key_offset):
+                    return list(qk_prep_forward(ctx, ts[0], ts[1], ts[2], num_heads=H, qk_dim=dqk, v_dim=dv,
+                                                paired=paired, key_offset=key_offset,
+                                                aux_v=ts[3] if len(ts) > 3 else None))
+
+                def prep_backward(ctx, gs, has_aux=has_aux):
+                    dqkv, daux = qk_prep_backward(ctx, *gs)
+                    return [dqkv, daux] if has_aux else [dqkv]
+
+                self._kernel_handles[("qk_prep", j, has_aux)] = opaque.register(opaque.OpaqueKernel(
+                    name=f"qk_prep[attention {j}{', value residual' if has_aux else ''}]",
+                    forward=prep_forward, backward=prep_backward,
+                    out_specs=lambda ts, paired=paired: [
+                        (shape, ts[0].dtype) for shape in qk_prep_out_shapes(ts[0].shape[0], H, dqk, dv, paired=paired)],
+                    diff=(True, False, False, True) if has_aux else (True, False, False),
+                ))
+
+    def __setstate__(self, state) -> None:
+        """A copy (deepcopy, pickle) is uncompiled and registers its own fused-kernel ops: the
+        original's compiled function and ops belong to the original."""
+        super().__setstate__(state)
+        self._hidden_fn = None
+        self._kernel_handles = {}
+        if self.cfg.qkv_path != "reference":
+            self._register_qkv_kernels()
+
+    def compile_body(self, **compile_kwargs) -> None:
+        """Run :meth:`hidden` (the whole network but the loss head) through ``torch.compile`` from
+        now on, with ``fullgraph=True``: a graph break inside the layer loop would make Dynamo skip
+        the whole network and run it eagerly, so it is an error instead.  The fused loss heads run
+        eagerly after it (they are single fused kernels already)."""
+        device = self.lm_head.device
+        if device not in self._backends:  # resolved here: backend checks are not traceable
+            self._backends[device] = get_backend(self.cfg.attention_backend, device)
+        self._hidden_fn = torch.compile(self.hidden, fullgraph=True, **compile_kwargs)
 
     def _unpack_gate(self, g: torch.Tensor, layout: GateLayout, gates: dict) -> None:
         for i, s in layout.xsa.items():
@@ -764,7 +837,7 @@ class RecordGPT(nn.Module):
 
     def per_token_training_loss(self, batch, args: ForwardArgs = ForwardArgs()) -> torch.Tensor:
         """(T,) float32: multi-token + prefix-token CE per position (before averaging)."""
-        h = self.hidden(batch, args)
+        h = (self._hidden_fn or self.hidden)(batch, args)
         targets = batch.targets.long()
         prefix = None
         if not (isinstance(args.prefix_weight, (int, float)) and args.prefix_weight == 0):
@@ -780,5 +853,5 @@ class RecordGPT(nn.Module):
     def per_token_loss(self, batch, args: ForwardArgs = ForwardArgs()) -> torch.Tensor:
         """Eval loss: plain next-token softcapped CE per position over the padded vocabulary, (T,)
         float32 (targets < 0 give 0)."""
-        h = self.hidden(batch, args)
+        h = (self._hidden_fn or self.hidden)(batch, args)
         return self.eval_ce_impl(h, self.lm_head, batch.targets, softcap=self._softcap())

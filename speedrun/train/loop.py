@@ -120,6 +120,9 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype) -> t
     """One optimizer step of ``recipe`` over the configured micro-batches.
 
     Returns this rank's mean training loss as a device scalar (reading it would synchronize)."""
+    from speedrun.kernels import opaque
+
+    opaque.clear_pending()  # state of fused-kernel forwards whose backward never ran (a dropped loss)
     recipe.before_step(step)
     args = recipe.forward_args(step)
     accum = grad_accum_steps(cfg, info.world_size)
@@ -163,6 +166,19 @@ def evaluate(model, val_files, cfg: RunConfig, info, dtype, per_rank: int, args:
     if info.enabled:
         torch.distributed.all_reduce(stats)
     return (stats[0] / stats[1]).item()
+
+
+def compile_model(model, cfg: RunConfig):
+    """``model`` with its network compiled when ``train.compile`` (returns the same object).
+
+    ``torch.compile(model)`` would compile only ``forward``, while training calls ``loss`` and
+    ``per_token_loss``; the models instead compile their body themselves (``compile_body``),
+    shapes static (one graph per stage shape, made in the warmup)."""
+    if cfg.train.compile:
+        if not hasattr(model, "compile_body"):
+            raise ConfigError(f"{type(model).__name__} has no compile_body(); set train.compile=false")
+        model.compile_body(dynamic=False)
+    return model
 
 
 def _compile_count() -> int:
@@ -255,7 +271,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     if hasattr(model, "warm_tables"):  # RoPE tables must exist before compiling
         recipe.max_tokens = max(per_rank)
         model.warm_tables(max(per_rank), device)
-    run_model = torch.compile(model, dynamic=False) if cfg.train.compile else model
+    run_model = compile_model(model, cfg)
     bigram_mod = getattr(model, "bigram_mod", None)
 
     def make_loader(stage_index: int):
@@ -280,6 +296,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     # (also before a resume, so a resumed run does not compile inside its timed region).
     if cfg.train.warmup_steps > 0:
         log.print(f"Compiling model and warming up kernels ({cfg.train.warmup_steps} steps per stage)")
+        warmup_t0 = time.perf_counter()
         model_state = copy.deepcopy(model.state_dict())
         opt_state = copy.deepcopy(optimizer.state_dict())
         for si, stage in enumerate(stages):
@@ -294,6 +311,10 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         optimizer.zero_grad()
         recipe.sync_to(0)
         torch.manual_seed(cfg.train.seed)
+        _sync(device)
+        warmup_s = time.perf_counter() - warmup_t0
+        log.print(f"warmup (compilation included): {warmup_s:.1f}s")
+        log.metric(event="warmup", seconds=warmup_s)
         log.print("Resetting Model", console=False)
 
     total_steps = cfg.train.steps
@@ -348,6 +369,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     recipe.on_clock_start()
     window_start, window_steps = t0, 0
     loss_acc = torch.zeros((), device=device)
+    step_ms: dict[int, list[float]] = {i: [] for i in range(len(stages))}
     for step in range(start_step, total_steps):
         si = recipe.stage_index(step)
         if si != stage_index:
@@ -366,6 +388,8 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
             now = time.perf_counter()
             train_ms += (now - t0) * 1000
             step_avg = train_ms / done
+            if window_steps == 1:  # one step since the clock last started: its own time
+                step_ms[si].append((now - t0) * 1000)
             if want_log:
                 mean_loss = loss_acc.item() / window_steps
                 tok_s = window_steps * stages[si].batch_tokens / max(now - window_start, 1e-9)
@@ -396,6 +420,8 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         log.print(f"compilations during the timed region: {recompiles}"
                   + ("" if recompiles == 0 else " (WARNING: the warmup missed a shape; this run's time includes compiling)"))
         log.metric(event="recompiles", count=recompiles)
+    for line in stage_time_lines(step_ms, stages, cfg):
+        log.print(line)
     sample = ""
     if not stopped and info.is_main:
         if device.type == "cuda":
@@ -413,6 +439,26 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     if teardown:
         distributed.teardown()
     return TrainResult(run_dir, total_steps, last_val, train_ms, sample, stopped, info.rank)
+
+
+def stage_time_lines(step_ms: dict[int, list[float]], stages, cfg: RunConfig, skip: int = 2) -> list[str]:
+    """One line per stage: median and IQR of the single-step times (ms, host clock around a
+    synchronized step, so only steps timed alone count: ``log_every=1`` times every step) and
+    global tokens/s at the median.  The first ``skip`` steps of a stage (loader reshaping, first
+    use of a shape after the warmup) are left out when the stage has enough others."""
+    import numpy as np
+
+    lines = []
+    for si, times in step_ms.items():
+        if len(times) > skip + 3:
+            times = times[skip:]
+        if not times:
+            continue
+        q1, med, q3 = np.percentile(times, [25, 50, 75])
+        tok_s = stages[si].batch_tokens / (med / 1000)
+        lines.append(f"stage {si}: {len(times)} timed steps, median {med:.1f}ms/step (IQR {q1:.1f}-{q3:.1f}), "
+                     f"{tok_s:,.0f} tokens/s, batch {stages[si].batch_tokens} tokens, seq {stages[si].max_seq_len}")
+    return lines
 
 
 def _sample(model, tokenizer, cfg: RunConfig, device, window: int | None) -> str:

@@ -42,3 +42,21 @@ def test_record_code_path_trains_on_gpu(tmp_path, switches):
     result = train(cfg, console=False)
     vals = _vals(result.run_dir)
     assert all(v == v for v in vals) and vals[-1] < vals[0] - 0.5, vals
+
+
+@pytest.mark.parametrize("switches", [
+    ["model.kernels=fp8", "model.qkv_path=reference"],                            # the baseline's kernels
+    ["model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_head_dim=16"],  # candidate switches
+])
+def test_record_code_path_compiles_whole_and_trains_on_gpu(tmp_path, switches):
+    """Compiled (one graph per shape, fused kernels as opaque ops): trains, and the warmup compiled
+    every shape the timed region uses."""
+    cfg = preset("tiny-record")
+    apply_overrides(cfg, ["model.model_dim=128", "model.num_heads=4", "model.qk_head_dim=32", "model.v_head_dim=32",
+                          "train.steps=30", "train.num_extension=3", "train.val_every=15", "train.val_tokens=16384",
+                          f"out_dir={tmp_path}", "train.dtype=bf16", "train.compile=true", "train.warmup_steps=2",
+                          *switches])
+    result = train(cfg, console=False)
+    vals = _vals(result.run_dir)
+    assert all(v == v for v in vals) and vals[-1] < vals[0] - 0.5, vals
+    assert "compilations during the timed region: 0" in (result.run_dir / "log.txt").read_text()

@@ -1,0 +1,322 @@
+"""Patch a copy of upstream modded-nanogpt (commit f411b3d) to run a short schedule on one GPU.
+
+Purpose: measure upstream's ms per optimizer step per stage on our H200 with the same attention
+backend our package uses (torch's built-in varlen FlashAttention), so the two per-step times can
+be compared.  This script holds none of upstream's code: it reads a user's copy of the three
+upstream files (``train_gpt.py``, ``triton_kernels.py``, ``dc_triton_kernels.py``; also accepted
+as ``upstream_<name>``), applies small textual patches whose anchors must each match exactly once,
+and writes the result plus our ``fa3_shim.py`` into ``--out`` (a scratch folder outside the repo,
+or an ignored one).  Model, optimizer, kernels and compile settings are left as upstream has them.
+
+Patches (all in train_gpt.py; the two kernel files are copied unchanged):
+
+* FA3 from the kernels hub -> ``fa3_shim`` (torch ``varlen_attn``; FA3's window is in tokens, as is
+  torch's, so ``window_size=(bm_size, 0)`` passes through unchanged);
+* schedule: ``num_scheduled_iterations`` / ``num_extension_iterations`` / ``val_tokens`` /
+  ``val_loss_every`` from the command line;
+* data: train/val globs from ``--train-files`` / ``--val-files`` (else upstream's ``$DATA_PATH``
+  default), and the shard iterator cycles so a single webmix shard suffices (upstream needs a
+  second file at start-up and runs out of a 25M-token shard);
+* cu_seqlens padding: upstream's ``TRAIN_MAX_NUM_DOCS = {16384: 64, 32768: 96, 49152: 128}``
+  overflows on webmix (up to 88 / 154 / 211 entries needed), so it becomes 256 for each
+  training shape (what our runs use: ``train.max_docs=256``), and the validation fallback
+  ``T // 300`` becomes ``T // 200`` (896 -> 1408 entries for 262,144 tokens; webmix val needs 886);
+* ``nvidia-smi`` missing no longer kills the run (it is only logged).
+
+Not patched, because they already work on one GPU under torchrun: world size 1 gives 8
+gradient-accumulation micro-batches of the same per-GPU shape as 8 GPUs; the optimizer switches
+its collectives off; sparse bigram comms are off; ``run_evals`` and ``save_checkpoint`` default to
+False; tiktoken's ``get_encoding("gpt2")`` reads ``$TIKTOKEN_CACHE_DIR``; the log goes to
+``logs/<uuid>.txt`` under the working directory.
+
+GPU command: one ``run`` call with ``carry=[".carry"]``, the repo tree as the cwd, ``.carry/``
+holding the webmix ``webmix_{train,val}_000000.bin.xz`` shards and ``.carry/upstream/`` the three
+upstream files plus ``tiktoken_cache/``::
+
+    bash benchmarks/upstream_f411b3d.sh            # extra arguments go to this patcher
+
+It decompresses the shards to /tmp/webmix, patches into /tmp/up, starts upstream there in its own
+session and waits up to WAIT_S=540 s; if compilation made it slower than that, the same command
+in a second call (machine still warm) waits for that run instead of starting another.  Results
+in $OUT: upstream_log.txt (upstream's own log, ``logs/<uuid>.txt`` in its working directory; stdout
+gets only the console lines), upstream_stdout.txt, upstream_patch.txt, bench_config.json and
+upstream_steps.json.  Its core, inline::
+
+    R=$PWD; python3 benchmarks/upstream_f411b3d.py --src .carry/upstream --out /tmp/up \
+        --train-files '/tmp/webmix/webmix_train_*.bin' --val-files '/tmp/webmix/webmix_val_*.bin' &&
+    (cd /tmp/up && TIKTOKEN_CACHE_DIR=$R/.carry/upstream/tiktoken_cache timeout -k 15 540 \
+        torchrun --standalone --nproc_per_node=1 train_gpt.py 2>&1 | tee $OUT/upstream_stdout.txt)
+    cp /tmp/up/logs/*.txt $OUT/upstream_log.txt
+    python3 benchmarks/upstream_step_times.py $OUT/upstream_log.txt --config /tmp/up/bench_config.json
+
+``upstream_step_times.py`` prints the median ms per optimizer step of each stage.  Expect minutes
+of torch.compile and kernel warmup ("Compiling model and warming up kernels", upstream's README
+says ~7 on first execution) before the first timed step.
+
+Usage:  python benchmarks/upstream_f411b3d.py --src DIR --out OUTDIR [--scheduled 105]
+        [--extension 30] [--val-tokens 2097152] [--val-every 0] [--train-files GLOB]
+        [--val-files GLOB] [--max-docs 256 | --max-docs 16384:128,32768:192,49152:256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import re
+import shutil
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+UPSTREAM_COMMIT = "f411b3d"
+UPSTREAM_FILES = ("train_gpt.py", "triton_kernels.py", "dc_triton_kernels.py")
+SHIM = Path(__file__).with_name("fa3_shim.py")
+# Upstream's Hyperparameters.val_batch_size (an anchor below checks it is still this).
+VAL_BATCH_SIZE = 4 * 64 * 1024 * 8
+# Tokens per rank of the three training stages: 8/16/24 x 2048 per GPU.
+TRAIN_SHAPES = (16384, 32768, 49152)
+# Attributes of FA3's flash_attn_interface that fa3_shim provides.
+SHIMMED_ATTRS = frozenset({"flash_attn_varlen_func"})
+TAG = "# [speedrun bench]"
+
+
+class PatchError(Exception):
+    """Upstream text does not look like f411b3d where a patch needs it, or bad options."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Replace ``anchor`` (which must occur exactly once) by ``replacement``.
+
+    ``replacement`` None only checks that the anchor is there: used for values our patches rely on.
+    """
+
+    name: str
+    anchor: str
+    replacement: str | None
+    why: str
+
+
+@dataclass
+class BenchOptions:
+    """What the patched upstream run does differently from a record run."""
+
+    scheduled: int = 105
+    extension: int = 30
+    val_tokens: int = VAL_BATCH_SIZE
+    val_every: int = 0
+    train_files: str | None = None
+    val_files: str | None = None
+    max_docs: dict[int, int] = field(default_factory=lambda: {t: 256 for t in TRAIN_SHAPES})
+    val_docs_divisor: int = 200
+
+    def stage_starts(self) -> list[int]:
+        """First step (0-based) of stages 1, 2, 3 and the extension, as upstream computes them."""
+        s = self.scheduled
+        return [0, round(s / 3), round(2 * s / 3), s]
+
+
+def validate(opts: BenchOptions) -> None:
+    """Refuse options upstream's schedule cannot run (it would fail minutes into compilation)."""
+    if opts.scheduled < 12:
+        raise PatchError(f"--scheduled {opts.scheduled}: need >= 12 (4+ steps per stage; 2 are skipped when timing)")
+    if opts.extension < 2:
+        # warmup samples steps scheduled..scheduled+1, and schedule tables end at the last step
+        raise PatchError(f"--extension {opts.extension}: upstream's warmup needs >= 2 extension steps")
+    if opts.val_tokens <= 0 or opts.val_tokens % VAL_BATCH_SIZE:
+        raise PatchError(f"--val-tokens {opts.val_tokens}: must be a positive multiple of {VAL_BATCH_SIZE:,}")
+    if opts.val_every < 0:
+        raise PatchError("--val-every must be >= 0 (0 = only the final validation)")
+    if set(opts.max_docs) != set(TRAIN_SHAPES) or min(opts.max_docs.values()) < 2:
+        raise PatchError(f"--max-docs must give >= 2 entries for each of {TRAIN_SHAPES}, got {opts.max_docs}")
+    if opts.val_docs_divisor < 1:
+        raise PatchError("val_docs_divisor must be >= 1")
+
+
+def train_patches(opts: BenchOptions) -> list[Patch]:
+    """The patches for upstream's train_gpt.py, in file order."""
+    up_docs = "{16384: 64, 32768: 96, 49152: 128}"
+    new_docs = "{" + ", ".join(f"{t}: {opts.max_docs[t]}" for t in TRAIN_SHAPES) + "}"
+    patches = [
+        Patch("kernels-import", "from kernels import get_kernel\n",
+              f"import itertools  {TAG} for the cycling shard iterator\n"
+              f"import fa3_shim  {TAG} torch varlen_attn in place of FA3 from the kernels hub\n",
+              "no `kernels` package / FA3 / network on the benchmark machine"),
+        Patch("fa3-handle",
+              "flash_attn_interface = get_kernel('kernels-community/flash-attn3', version=1).flash_attn_interface",
+              f"flash_attn_interface = fa3_shim  {TAG} upstream: FA3 (kernels-community/flash-attn3)",
+              "same attention backend as our package (torch.nn.attention.varlen.varlen_attn)"),
+        Patch("max-docs", f"TRAIN_MAX_NUM_DOCS = {up_docs}",
+              f"TRAIN_MAX_NUM_DOCS = {new_docs}  {TAG} upstream {up_docs}",
+              "webmix documents are shorter: up to 88/154/211 cu_seqlens entries per 16k/32k/49k micro-batch"),
+        Patch("val-docs", "next_multiple_of_n(num_tokens_local // 300, n=128))",
+              f"next_multiple_of_n(num_tokens_local // {opts.val_docs_divisor}, n=128))  {TAG} upstream // 300",
+              "validation micro-batches (262,144 tokens) hold up to 885 webmix documents; upstream pads to 896"),
+        Patch("cycle-shards", "file_iter = iter(files)  # Use itertools.cycle(files) for multi-epoch training",
+              f"file_iter = itertools.cycle(files)  {TAG} upstream iter(files)",
+              "one 25M-token webmix shard: upstream needs a second file at start-up and more tokens than one shard"),
+    ]
+    if opts.train_files is not None:
+        patches.append(Patch("train-files",
+                             'train_files: str = os.path.join(data_path, "data/fineweb10B/fineweb_train_*.bin")',
+                             f"train_files: str = {opts.train_files!r}  {TAG} |", "webmix shards"))
+    if opts.val_files is not None:
+        patches.append(Patch("val-files",
+                             'val_files: str = os.path.join(data_path, "data/fineweb10B/fineweb_val_*.bin")',
+                             f"val_files: str = {opts.val_files!r}  {TAG} |", "webmix shards"))
+    patches += [
+        Patch("val-tokens", "val_tokens: int = 10485760",
+              f"val_tokens: int = {opts.val_tokens}  {TAG} upstream 10485760 |", "validation is not timed: keep it short"),
+        Patch("val-batch-size", "val_batch_size: int = 4 * 64 * 1024 * 8", None,
+              f"--val-tokens must be a multiple of it ({VAL_BATCH_SIZE:,})"),
+        Patch("scheduled", "num_scheduled_iterations: int = 1270",
+              f"num_scheduled_iterations: int = {opts.scheduled}  {TAG} upstream 1270 |", "short schedule"),
+        Patch("extension", "num_extension_iterations: int = 15",
+              f"num_extension_iterations: int = {opts.extension}  {TAG} upstream 15 |", "short schedule"),
+        Patch("val-every", "val_loss_every: int = 250",
+              f"val_loss_every: int = {opts.val_every}  {TAG} upstream 250 |", "no mid-run validations"),
+        Patch("nvidia-smi",
+              '    return subprocess.run(["nvidia-smi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True).stdout',
+              f'    try:  {TAG} a missing nvidia-smi only loses a log section\n'
+              '        return subprocess.run(["nvidia-smi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True).stdout\n'
+              '    except OSError as e:\n'
+              '        return f"nvidia-smi unavailable: {e}"',
+              "logging only"),
+    ]
+    return patches
+
+
+def apply_patches(text: str, patches: list[Patch], filename: str) -> str:
+    """Apply each patch in turn; raise :class:`PatchError` naming the first anchor not found exactly once."""
+    for p in patches:
+        n = text.count(p.anchor)
+        if n != 1:
+            found = "not found" if n == 0 else f"found {n} times"
+            raise PatchError(
+                f"upstream differs from {UPSTREAM_COMMIT} at {filename} [{p.name}]: anchor {found}: {p.anchor!r}"
+            )
+        if p.replacement is not None:
+            text = text.replace(p.anchor, p.replacement)
+    return text
+
+
+def check_attention_uses(text: str, filename: str = "train_gpt.py") -> None:
+    """Fail unless every ``flash_attn_interface.X`` upstream uses is one the shim provides."""
+    used = set(re.findall(r"\bflash_attn_interface\.(\w+)", text))
+    missing = used - SHIMMED_ATTRS
+    if missing:
+        raise PatchError(f"{filename} uses flash_attn_interface.{sorted(missing)}, which fa3_shim does not provide")
+    if not used:
+        raise PatchError(f"upstream differs from {UPSTREAM_COMMIT} at {filename}: no flash_attn_interface call found")
+    for leftover in ("get_kernel", "from kernels import", "import kernels"):
+        if leftover in text:
+            raise PatchError(f"{filename} still refers to {leftover!r} after patching")
+
+
+def patch_train(text: str, opts: BenchOptions) -> tuple[str, list[Patch]]:
+    """Patched train_gpt.py text and the patches applied."""
+    validate(opts)
+    patches = train_patches(opts)
+    out = apply_patches(text, patches, "train_gpt.py")
+    check_attention_uses(out)
+    compile(out, "train_gpt.py", "exec")  # a patch that breaks the syntax fails here, not on the GPU
+    return out, patches
+
+
+def find_sources(src: Path) -> dict[str, Path]:
+    """``{upstream name: path}`` for the three files in folder ``src`` (``NAME`` or ``upstream_NAME``)."""
+    if not src.is_dir():
+        raise PatchError(f"--src {src}: not a folder (it must hold {', '.join(UPSTREAM_FILES)})")
+    found = {}
+    for name in UPSTREAM_FILES:
+        for cand in (src / name, src / f"upstream_{name}"):
+            if cand.is_file():
+                found[name] = cand
+                break
+        else:
+            raise PatchError(f"--src {src}: no {name} (or upstream_{name}) there")
+    return found
+
+
+def write_outdir(sources: dict[str, Path], out: Path, opts: BenchOptions) -> list[Patch]:
+    """Write the patched train_gpt.py, the two kernel files, fa3_shim.py and bench_config.json."""
+    train, patches = patch_train(sources["train_gpt.py"].read_text(), opts)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_gpt.py").write_text(train)
+    for name in UPSTREAM_FILES[1:]:
+        shutil.copyfile(sources[name], out / name)
+    shutil.copyfile(SHIM, out / SHIM.name)
+    config = {
+        "upstream_commit": UPSTREAM_COMMIT,
+        **{k: v for k, v in asdict(opts).items() if k != "max_docs"},
+        "max_docs": {str(k): v for k, v in opts.max_docs.items()},
+        "stage_starts": opts.stage_starts(),
+        "total_steps": opts.scheduled + opts.extension,
+        "patches": [p.name for p in patches if p.replacement is not None],
+    }
+    (out / "bench_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return patches
+
+
+def parse_max_docs(spec: str) -> dict[int, int]:
+    """``"256"`` (every training shape) or ``"16384:128,32768:192,49152:256"``."""
+    try:
+        if ":" not in spec:
+            return {t: int(spec) for t in TRAIN_SHAPES}
+        pairs = (item.split(":") for item in spec.split(","))
+        return {int(k): int(v) for k, v in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad --max-docs {spec!r}: use N or 16384:N,32768:N,49152:N") from None
+
+
+def summary(patches: list[Patch], opts: BenchOptions, out: Path) -> str:
+    """Human-readable account of what was changed, for the run's log."""
+    lines = [f"patched upstream {UPSTREAM_COMMIT} -> {out}"]
+    for p in patches:
+        if p.replacement is None:
+            lines.append(f"  checked  {p.name:15s} {p.why}")
+        else:
+            new = p.replacement.strip().splitlines()[0]
+            lines.append(f"  patched  {p.name:15s} {new}\n           {'':15s} why: {p.why}")
+    starts = opts.stage_starts()
+    lines.append(f"  schedule: stages start at steps {starts[:3]}, extension at {starts[3]}, "
+                 f"{opts.scheduled + opts.extension} steps in all")
+    for label, pattern in (("train", opts.train_files), ("val", opts.val_files)):
+        if pattern is not None and not glob.glob(pattern):
+            lines.append(f"  WARNING: no file matches the {label} glob {pattern!r} yet")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--src", required=True, type=Path, help="folder with upstream's three files")
+    ap.add_argument("--out", required=True, type=Path, help="folder to write the runnable copy into")
+    ap.add_argument("--scheduled", type=int, default=BenchOptions.scheduled, help="num_scheduled_iterations")
+    ap.add_argument("--extension", type=int, default=BenchOptions.extension, help="num_extension_iterations")
+    ap.add_argument("--val-tokens", type=int, default=BenchOptions.val_tokens)
+    ap.add_argument("--val-every", type=int, default=BenchOptions.val_every, help="0: final validation only")
+    ap.add_argument("--train-files", help="glob of training shards (default: upstream's $DATA_PATH/data/fineweb10B/...)")
+    ap.add_argument("--val-files", help="glob of validation shards")
+    ap.add_argument("--max-docs", type=parse_max_docs, default=None,
+                    help="cu_seqlens entries per training micro-batch: N for all shapes, or T:N,... (default 256)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    opts = BenchOptions(scheduled=args.scheduled, extension=args.extension, val_tokens=args.val_tokens,
+                        val_every=args.val_every, train_files=args.train_files, val_files=args.val_files)
+    if args.max_docs is not None:
+        opts.max_docs = args.max_docs
+    try:
+        patches = write_outdir(find_sources(args.src), args.out, opts)
+    except PatchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary(patches, opts, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

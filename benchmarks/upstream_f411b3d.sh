@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Run upstream modded-nanogpt f411b3d (patched by upstream_f411b3d.py) on one GPU for a short
+# schedule, or keep waiting for a run this script started earlier; results go to $OUT.
+#
+# On the GPU machine, repo root as cwd, `.carry` carried:   bash benchmarks/upstream_f411b3d.sh [patcher args]
+#   .carry/webmix_{train,val}_000000.bin.xz   webmix shards (decompressed to $DATA_DIR)
+#   .carry/upstream/{train_gpt,triton_kernels,dc_triton_kernels}.py and .carry/upstream/tiktoken_cache/
+# The training runs in its own session (setsid), so it survives the end of the call: if it is not
+# done after WAIT_S seconds (torch.compile alone takes minutes), run the same command again on the
+# still-warm machine and it waits for that run instead of starting another (rm -rf /tmp/up to start over).
+# Writes to $OUT: upstream_patch.txt, upstream_stdout.txt, upstream_log.txt (logs/<uuid>.txt),
+# bench_config.json, upstream_steps.json (median ms per optimizer step per stage).
+set -u
+R=$(pwd)
+OUT=${OUT:-$R/bench_out}
+UP=${UP_DIR:-/tmp/up}
+DATA=${DATA_DIR:-/tmp/webmix}
+WAIT_S=${WAIT_S:-540}
+mkdir -p "$OUT"
+log() { echo "== $(date -u +%H:%M:%S) $*"; }
+
+decompress() {  # python's lzma: no dependence on the xz tool being installed
+  mkdir -p "$DATA"
+  for f in "$R"/.carry/webmix_*.bin.xz; do
+    [ -e "$f" ] || { echo "no .carry/webmix_*.bin.xz" >&2; return 1; }
+    dst=$DATA/$(basename "${f%.xz}")
+    [ -s "$dst" ] || python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$f" "$dst" &
+  done
+  wait
+}
+
+start_run() {
+  decompress || return 1
+  python3 "$R/benchmarks/upstream_f411b3d.py" --src "$R/.carry/upstream" --out "$UP" \
+    --train-files "$DATA/webmix_train_*.bin" --val-files "$DATA/webmix_val_*.bin" "$@" | tee "$OUT/upstream_patch.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || return 1
+  touch "$UP/started"
+  # setsid: a new session outlives the device call; torch.distributed.run == torchrun.
+  (cd "$UP" && TIKTOKEN_CACHE_DIR="$R/.carry/upstream/tiktoken_cache" PYTHONUNBUFFERED=1 setsid nohup bash -c \
+     'python3 -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt.py > stdout.txt 2>&1; echo $? > rc' \
+     < /dev/null > /dev/null 2>&1 &)
+  log "started upstream in $UP"
+}
+
+collect() {
+  cp "$UP/stdout.txt" "$OUT/upstream_stdout.txt" 2>/dev/null
+  cp "$UP/bench_config.json" "$OUT/" 2>/dev/null
+  local logf
+  logf=$(ls -t "$UP"/logs/*.txt 2>/dev/null | head -1)
+  [ -n "$logf" ] || { log "no upstream log yet"; tail -20 "$UP/stdout.txt" 2>/dev/null; return; }
+  cp "$logf" "$OUT/upstream_log.txt"
+  python3 "$R/benchmarks/upstream_step_times.py" "$OUT/upstream_log.txt" --config "$UP/bench_config.json" \
+    --json "$OUT/upstream_steps.json"
+}
+
+if [ -e "$UP/started" ]; then
+  log "a run was started earlier in $UP: waiting for it"
+else
+  rm -rf "$UP"
+  start_run "$@" || { log "could not start"; exit 1; }
+fi
+t0=$SECONDS
+while [ ! -e "$UP/rc" ] && [ $((SECONDS - t0)) -lt "$WAIT_S" ]; do
+  sleep 5
+  [ $(((SECONDS - t0) % 60)) -lt 5 ] && log "$(tail -1 "$UP/stdout.txt" 2>/dev/null | cut -c1-150)"
+done
+tail -8 "$UP/stdout.txt" 2>/dev/null
+collect
+if [ -e "$UP/rc" ]; then
+  log "upstream finished, exit status $(cat "$UP/rc")"
+else
+  log "upstream still running after ${WAIT_S}s: run the same command again to wait for it"
+fi

@@ -1,0 +1,126 @@
+"""torch.compile of the networks: one graph (no graph breaks, fused kernels as opaque ops) that
+computes what the eager network computes.
+
+A graph break inside the layer loop makes Dynamo skip the whole network and run it eagerly (the
+record preset once ran like that, 2.2x slower, with every elementwise op its own kernel), so the
+models compile with ``fullgraph=True``; these tests trace them with the ``aot_eager`` backend
+(Dynamo + AOTAutograd, no code generation) to keep CI fast.  The fused-kernel paths run their
+Triton kernels under the interpreter here."""
+
+import copy
+
+import pytest
+import torch
+
+from speedrun.config import ModelConfig
+from speedrun.kernels import opaque
+from speedrun.model.gpt import GPT
+from speedrun.model.record import RecordGPT
+from test_candidate import ARGS, _batch, _grads, _pair
+
+
+def _compiled(model):
+    model._hidden_fn = torch.compile(model.hidden, fullgraph=True, backend="aot_eager", dynamic=False)
+    return model
+
+
+@pytest.mark.parametrize("qkv_path,kernels", [("reference", "reference"), ("reference", "fp8"),
+                                              ("fused_fp8", "fp8_full")])
+def test_compiled_record_network_equals_eager(qkv_path, kernels):
+    """Baseline (reference and the record's FP8 MLP) and candidate switches: loss, every gradient
+    and the no-grad evaluation forward equal the eager model's, over two steps (the second uses
+    the delayed FP8 scales the first measured)."""
+    torch._dynamo.reset()
+    _, eager = _pair(qkv_path, kernels)
+    compiled = _compiled(copy.deepcopy(eager))
+    for step in range(2):
+        batch = _batch(64 + 16 * step)
+        le, lc = eager.loss(batch, ARGS), compiled.loss(batch, ARGS)
+        le.backward()
+        lc.backward()
+        assert torch.equal(le, lc), (step, le.item(), lc.item())
+        ge, gc = _grads(eager), _grads(compiled)
+        assert ge.keys() == gc.keys()
+        for name in ge:
+            assert torch.allclose(ge[name], gc[name], rtol=1e-5, atol=1e-6), (step, name)
+        for m in (eager, compiled):
+            m.zero_grad()
+    with torch.no_grad():
+        assert torch.allclose(eager.per_token_loss(batch, ARGS), compiled.per_token_loss(batch, ARGS), atol=1e-5)
+    assert not any(opaque._PENDING.values()), "every fused forward with gradients had its backward"
+
+
+def test_copies_are_uncompiled_and_own_their_kernels():
+    """A deep copy neither calls the original's compiled network nor shares its fused-kernel ops
+    (whose saved state would otherwise mix between the two models)."""
+    _, model = _pair("fused_fp8", "fp8_full")
+    model.compile_body(backend="aot_eager", dynamic=False)
+    twin = copy.deepcopy(model)
+    assert twin._hidden_fn is None
+    assert set(twin._kernel_handles.values()).isdisjoint(model._kernel_handles.values())
+    assert set(twin.mlp_impl._handles.values()).isdisjoint(model.mlp_impl._handles.values())
+    assert twin.mlp_impl._handles.keys() == model.mlp_impl._handles.keys()
+
+
+def test_compiled_core_network_equals_eager():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = GPT(ModelConfig(vocab_size=257, num_layers=2, model_dim=32, num_heads=2, qk_head_dim=16, v_head_dim=16))
+    compiled = copy.deepcopy(eager)
+    compiled.compile_body(backend="aot_eager", dynamic=False)
+    batch = _batch(64)
+    le, lc = eager.loss(batch, ARGS), compiled.loss(batch, ARGS)
+    le.backward()
+    lc.backward()
+    assert torch.allclose(le, lc, atol=1e-6)
+    for (n, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), n
+
+
+def test_opaque_kernel_saved_state_and_errors():
+    """Backwards pop the newest saved forward; a forward whose loss is dropped leaves state that
+    clear_pending() removes; a backward with nothing saved, or an output off its promised shape,
+    is refused with the kernel's name."""
+    h = opaque.register(opaque.OpaqueKernel(
+        name="scale[test]", forward=lambda ctx, ts: (setattr(ctx, "k", ts[1].item()) or [ts[0] * ts[1]]),
+        backward=lambda ctx, gs: [gs[0] * ctx.k], out_specs=lambda ts: [(tuple(ts[0].shape), ts[0].dtype)],
+        diff=(True, False)))
+    x = torch.randn(4, requires_grad=True)
+    opaque.call(h, [x, torch.tensor(5.0)])  # dropped without a backward
+    y2 = opaque.call(h, [x, torch.tensor(2.0)])[0]
+    y3 = opaque.call(h, [x, torch.tensor(3.0)])[0]
+    y3.sum().backward()
+    y2.sum().backward()
+    assert torch.equal(x.grad, torch.full((4,), 5.0))  # 3 then 2: each backward found its own forward
+    assert len(opaque._PENDING[h]) == 1
+    opaque.clear_pending()
+    with torch.no_grad():  # keeps nothing
+        opaque.call(h, [x, torch.tensor(1.0)])
+    assert not opaque._PENDING.get(h)
+    y = opaque.call(h, [x.detach(), torch.tensor(1.0)])[0]  # nothing needs a gradient: nothing kept
+    assert not opaque._PENDING.get(h) and not y.requires_grad
+    bad = opaque.register(opaque.OpaqueKernel(
+        name="short[test]", forward=lambda ctx, ts: [ts[0][:2]], backward=lambda ctx, gs: gs,
+        out_specs=lambda ts: [(tuple(ts[0].shape), ts[0].dtype)], diff=(True,)))
+    with pytest.raises(RuntimeError, match=r"short\[test\]: output 0 has shape"):
+        opaque.call(bad, [x])
+    lost = opaque.call(h, [x, torch.tensor(1.0)])[0]
+    opaque.clear_pending()
+    with pytest.raises(RuntimeError, match=r"scale\[test\]: backward without a saved forward"):
+        lost.sum().backward()
+
+
+def test_compile_model_compiles_what_training_calls(monkeypatch):
+    """train()'s compile step compiles the network the loss methods call (torch.compile(model)
+    would compile only forward(), which training never calls)."""
+    from speedrun.config import preset
+    from speedrun.train.loop import compile_model
+
+    cfg = preset("tiny-record")
+    cfg.train.compile = True
+    model = RecordGPT(ModelConfig(vocab_size=257, num_layers=6, model_dim=32, num_heads=2, qk_head_dim=16,
+                                  v_head_dim=16, architecture="record"))
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.setdefault("fn", fn) and fn)
+    assert compile_model(model, cfg) is model
+    assert seen["fn"] == model.hidden and model._hidden_fn is not None

@@ -1,0 +1,208 @@
+"""CPU tests of the upstream-benchmark tooling in benchmarks/: patcher, FA3 shim, step-time parser.
+
+The real upstream files are never stored here; set SPEEDRUN_UPSTREAM_SRC to a folder holding
+modded-nanogpt's train_gpt.py, triton_kernels.py and dc_triton_kernels.py at f411b3d (or their
+``upstream_*`` copies) to also patch those.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import py_compile
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+up = _load("upstream_f411b3d")
+shim = _load("fa3_shim")
+steps = _load("upstream_step_times")
+
+
+# ---- patcher -------------------------------------------------------------------------------
+
+def _anchor_text(opts) -> str:
+    """A stand-in file holding each anchor once (not runnable; apply_patches only needs the text)."""
+    return "\n".join(p.anchor.rstrip("\n") for p in up.train_patches(opts)) + "\n"
+
+
+def test_missing_anchor_names_it():
+    opts = up.BenchOptions()
+    text = _anchor_text(opts).replace("TRAIN_MAX_NUM_DOCS = {16384: 64", "TRAIN_MAX_NUM_DOCS = {16384: 65")
+    with pytest.raises(up.PatchError, match=r"differs from f411b3d at train_gpt.py \[max-docs\]: anchor not found"):
+        up.apply_patches(text, up.train_patches(opts), "train_gpt.py")
+
+
+def test_duplicated_anchor_is_refused():
+    opts = up.BenchOptions()
+    text = _anchor_text(opts) + "val_loss_every: int = 250\n"
+    with pytest.raises(up.PatchError, match=r"\[val-every\]: anchor found 2 times"):
+        up.apply_patches(text, up.train_patches(opts), "train_gpt.py")
+
+
+def test_patches_apply_to_their_anchors():
+    opts = up.BenchOptions(scheduled=60, extension=10, train_files="/d/webmix_train_*.bin")
+    out = up.apply_patches(_anchor_text(opts), up.train_patches(opts), "train_gpt.py")
+    assert "num_scheduled_iterations: int = 60" in out and "num_extension_iterations: int = 10" in out
+    assert "train_files: str = '/d/webmix_train_*.bin'" in out
+    assert "TRAIN_MAX_NUM_DOCS = {16384: 256, 32768: 256, 49152: 256}" in out
+    assert "itertools.cycle(files)" in out and "get_kernel" not in out
+
+
+def test_bad_options_fail_before_any_gpu_time():
+    for bad in (dict(val_tokens=1_000_000), dict(extension=1), dict(scheduled=6), dict(max_docs={16384: 256})):
+        with pytest.raises(up.PatchError):
+            up.validate(up.BenchOptions(**bad))
+    assert up.parse_max_docs("192") == {16384: 192, 32768: 192, 49152: 192}
+    assert up.parse_max_docs("16384:128,32768:192,49152:256")[32768] == 192
+
+
+def test_unshimmed_fa3_function_is_refused():
+    with pytest.raises(up.PatchError, match="flash_attn_func"):
+        up.check_attention_uses("y = flash_attn_interface.flash_attn_func(q, k, v)\n")
+
+
+def test_cli_reports_missing_files(tmp_path, capsys):
+    assert up.main(["--src", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "no train_gpt.py" in capsys.readouterr().err
+
+
+@pytest.fixture
+def upstream_src() -> Path:
+    d = os.environ.get("SPEEDRUN_UPSTREAM_SRC")
+    if not d or not Path(d).is_dir():
+        pytest.skip("SPEEDRUN_UPSTREAM_SRC not set to a folder with upstream's three files")
+    return Path(d)
+
+
+def test_real_upstream_patches_cleanly(upstream_src, tmp_path):
+    out = tmp_path / "up"
+    rc = up.main(["--src", str(upstream_src), "--out", str(out), "--train-files", "/x/webmix_train_*.bin",
+                  "--val-files", "/x/webmix_val_*.bin"])
+    assert rc == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted([*up.UPSTREAM_FILES, "fa3_shim.py", "bench_config.json"])
+    py_compile.compile(str(out / "train_gpt.py"), doraise=True)
+    text = (out / "train_gpt.py").read_text()
+    assert "import fa3_shim" in text and "flash_attn_interface = fa3_shim" in text
+
+
+# ---- FA3 shim ------------------------------------------------------------------------------
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args, **kw):
+        self.calls.append((args, kw))
+        return args[0]
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(shim, "_VARLEN", rec)
+    monkeypatch.setattr(shim, "_require_cuda", lambda q: None)
+    return rec
+
+
+def _qkv(t=32, h=2, d=16):
+    q = torch.randn(t, h, d)
+    return q, q.clone(), q.clone(), torch.tensor([0, 20, t, t], dtype=torch.int64)
+
+
+def test_shim_maps_fa3_arguments(recorded, monkeypatch):
+    monkeypatch.setattr(shim, "_PARAMS", frozenset({"scale", "window_size"}))
+    q, k, v, cu = _qkv()
+    shim.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=896, max_seqlen_k=896,
+                                causal=True, softmax_scale=0.12, window_size=(384, 0))
+    (args, kw), = recorded.calls
+    assert args[3].dtype == torch.int32 and args[3].tolist() == [0, 20, 32, 32]
+    assert args[5:] == (896, 896) and kw == {"scale": 0.12, "window_size": (384, 0)}
+    shim.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64)  # FA defaults: causal, no window
+    assert recorded.calls[-1][1] == {"window_size": (-1, 0)}
+
+
+def test_shim_on_a_torch_without_window_size(recorded, monkeypatch):
+    monkeypatch.setattr(shim, "_PARAMS", frozenset({"is_causal"}))
+    q, k, v, cu = _qkv()
+    shim.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64)
+    assert recorded.calls[-1][1] == {"is_causal": True}
+    with pytest.raises(NotImplementedError, match="no window_size"):
+        shim.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, window_size=(128, 0))
+
+
+def test_shim_refuses_what_it_cannot_do(recorded):
+    q, k, v, cu = _qkv()
+    with pytest.raises(NotImplementedError, match="causal"):
+        shim.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, causal=False)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        shim.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, softcap=30.0)
+    with pytest.raises(TypeError, match="unsupported FA3 argument"):
+        shim.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, bogus=1)
+    shim.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, seqused_k=None, num_splits=1)  # neutral: accepted
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
+def test_shim_on_cpu_says_cuda_only():
+    q, k, v, cu = _qkv()
+    with pytest.raises(RuntimeError, match="CUDA only"):
+        shim.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64)
+    assert "CUDA" in shim.varlen_problem()
+
+
+# ---- step-time parser ----------------------------------------------------------------------
+
+def _log(tmp_path, per_stage_ms=(100, 200, 300, 310), starts=(0, 4, 8, 12), total=16):
+    lines = [f"Sampling steps {[0, 1] + [s + o for s in starts[1:] for o in (-2, -1, 0, 1)]} for warmup"]
+    t = 0.0
+    for step in range(total):
+        stage = sum(step >= s for s in starts) - 1
+        t += per_stage_ms[stage] + (500 if step == starts[stage] else 0)  # a slow first step per stage
+        lines.append(f"step:{step + 1}/{total} train_time:{t:.0f}ms step_avg:{t / (step + 1):.2f}ms")
+    lines.append(f"step:{total}/{total} val_loss:4.0000 train_time:{t:.0f}ms step_avg:{t / total:.2f}ms")
+    p = tmp_path / "log.txt"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def test_step_times_per_stage(tmp_path):
+    res = steps.summarize(_log(tmp_path), None, skip=2)
+    assert res["stage_starts"] == [0, 4, 8, 12]
+    assert [s["median_ms"] for s in res["stages"]] == [100, 200, 300, 310]
+    assert [s["measured"] for s in res["stages"]] == [2, 2, 2, 2]
+    assert res["final_train_time_ms"] is not None
+
+
+def test_step_time_stage_starts_from_options():
+    assert steps.starts_from_scheduled(105) == [0, 35, 70, 105]
+    with pytest.raises(Exception, match="3 transitions"):
+        steps.starts_from_warmup("Sampling steps [0, 1, 2, 3] for warmup")
+
+
+def test_shim_traces_without_graph_breaks(monkeypatch):
+    """Upstream compiles its model with fullgraph=True: the shim's own Python must trace cleanly."""
+    monkeypatch.setattr(shim, "_VARLEN", lambda q, k, v, cq, ck, mq, mk, **kw: q * kw["scale"] + cq[-1])
+    monkeypatch.setattr(shim, "_PARAMS", frozenset({"scale", "window_size"}))
+    monkeypatch.setattr(shim, "_require_cuda", lambda q: None)
+
+    def attn(q, k, v, cu):
+        return shim.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2048,
+                                           max_seqlen_k=2048, causal=True, softmax_scale=0.1, window_size=(384, 0))
+
+    q, k, v, cu = _qkv()
+    torch._dynamo.reset()
+    out = torch.compile(attn, backend="eager", fullgraph=True)(q, k, v, cu.to(torch.int32))
+    assert torch.allclose(out, q * 0.1 + 32)
