@@ -65,6 +65,18 @@ def use_builtin_cache(builtin_cache, monkeypatch):
 
 
 @pytest.fixture
+def kernels_use_references(monkeypatch):
+    """Off-GPU kernel dispatch as without ``TRITON_INTERPRET``: every fused kernel runs its PyTorch
+    reference (same signatures, same FP8 scale bookkeeping), for tests of the training logic that
+    the interpreter would make slow.  Triton's own mode is left alone (it is fixed at import)."""
+    import importlib
+
+    for name in ("fp8_cache", "mlp", "qk_prep", "qkv_pack", "cross_entropy"):
+        module = importlib.import_module(f"speedrun.kernels.{name}")
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+
+
+@pytest.fixture
 def one_thread():
     """One intra-op thread: on a shared 2-core machine two threads fight other processes (10x slower)."""
     n = torch.get_num_threads()

@@ -390,3 +390,15 @@ def test_kernel_rejects_softcap_beyond_fixed_offset():
     logits, targets, _ = make_batch()
     with pytest.raises(ValueError, match="A <= 64"):
         softcapped_ce_fwd_bwd(logits, targets, softcap=(80.0, 5.0, 7.5))
+
+
+def test_without_triton_the_head_runs_its_reference_and_the_kernel_says_why(kernels_use_references):
+    """Off-GPU without the interpreter: "auto" falls back to the reference (same numbers as asking
+    for it), and the raw kernel entry refuses with a clear message instead of crashing in Triton."""
+    x, w, targets, prefix, _ = make_head(seed=4)
+    got = fused_softcapped_ce(x, w, targets, [1.0, 0.5], prefix, 0.25, vocab_size=VOCAB)
+    want = fused_softcapped_ce(x, w, targets, [1.0, 0.5], prefix, 0.25, vocab_size=VOCAB, ce_backend="reference")
+    assert torch.equal(got, want)
+    logits, targets, prefix = make_batch()
+    with pytest.raises(ValueError, match="needs a CUDA tensor or TRITON_INTERPRET=1"):
+        softcapped_ce_fwd_bwd(logits, targets, vocab_size=VOCAB)

@@ -47,10 +47,14 @@ def test_tiny_record_recipe_learns(tmp_path):
     assert "step:21/21 val_loss:" in log
 
 
-def test_tiny_record_resume_equals_uninterrupted(tmp_path):
-    cfg = tiny_record(tmp_path, "train.checkpoint_every=5", "train.steps=12")
+@pytest.mark.parametrize("stop", [3, 5, 10])
+def test_tiny_record_resume_equals_uninterrupted(tmp_path, stop):
+    """Kill after ``stop`` steps, resume from that checkpoint: the same weights as a run never
+    killed.  3: a stage boundary (stages start at 0, 3, 6, 9); 3 and 5: after an even step, when
+    Adam's gradients of two steps are half summed; 10: inside the extension."""
+    cfg = tiny_record(tmp_path, "train.checkpoint_every=1", "train.steps=12")
     whole = train(cfg, console=False)
-    cut = train(tiny_record(tmp_path, "train.checkpoint_every=5", "train.steps=12"), console=False, stop_after=10)
+    cut = train(tiny_record(tmp_path, "train.checkpoint_every=1", "train.steps=12"), console=False, stop_after=stop)
     resumed = train(cfg, run_dir=cut.run_dir, resume=True, console=False)
     a = torch.load(list_checkpoints(whole.run_dir)[-1], weights_only=False)["model"]
     b = torch.load(list_checkpoints(resumed.run_dir)[-1], weights_only=False)["model"]
@@ -103,3 +107,21 @@ def test_fused_kernels_train_like_the_reference(tmp_path, kernels):
             continue
         err = ((pf.grad - pr.grad).norm() / pr.grad.norm()).item()
         assert err < (5e-2 if kernels == "triton" else 0.25), (name, err)
+
+
+def test_fp8_candidate_resume_equals_uninterrupted(tmp_path, kernels_use_references):
+    """FP8 delayed scales (MLP weight cache, packed QKV weights, MLP activations) are part of the
+    checkpoint: without them a resumed run re-bootstraps its scales and drifts from the
+    uninterrupted one.  (PyTorch reference kernels: the scale bookkeeping is the same code.)"""
+    extra = ("model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_head_dim=16", "train.batch_divisor=1024",
+             "train.checkpoint_every=3", "train.steps=8", "train.num_extension=1")
+    whole = train(tiny_record(tmp_path, *extra), console=False)
+    cut = train(tiny_record(tmp_path, *extra), console=False, stop_after=5)
+    resumed = train(tiny_record(tmp_path, *extra), run_dir=cut.run_dir, resume=True, console=False)
+    a = torch.load(list_checkpoints(whole.run_dir)[-1], weights_only=False)
+    b = torch.load(list_checkpoints(resumed.run_dir)[-1], weights_only=False)
+    (state,) = a["fp8"]  # one rank
+    assert set(state) == {"mlp_weights", "qkv", "mlp_activations"} and set(b["fp8"][0]) == set(state)
+    assert all(bool(v["post_ready"]) for v in state["mlp_activations"].values())
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k

@@ -53,12 +53,15 @@ def test_pseudo_replication_same_seed_and_identical_curves(tmp_path):
     shutil.copy(DATA / "ours_seed7.txt", tmp_path / "a.txt")
     shutil.copy(DATA / "ours_seed7.txt", tmp_path / "b.txt")
     runs = [parse_log(tmp_path / "a.txt"), parse_log(tmp_path / "b.txt")]
-    w = pseudo_replication(runs)
-    assert any("seed 7" in x for x in w)
+    w = pseudo_replication({"g": runs})
+    assert any("seed 7" in x and "of g" in x for x in w)
     assert any("identical val-loss" in x for x in w)
+    # The same run in two groups: no seed warning (paired seeds are fine), but the curve repeats.
+    w = pseudo_replication({"a": runs[:1], "b": runs[1:]})
+    assert not any("seed" in x for x in w) and any("identical val-loss" in x for x in w)
     runs[1].seed = 8
     runs[1].val_curve = [(s, loss + 1e-4, t) for s, loss, t in runs[1].val_curve]
-    assert pseudo_replication(runs) == []
+    assert pseudo_replication({"g": runs}) == []
 
 
 def _upstream(upstream_logs_dir):

@@ -136,20 +136,27 @@ def compare(a: dict[str, Any], b: dict[str, Any], reference_time: float | None =
     }
 
 
-def pseudo_replication(runs: Sequence[RunSummary]) -> list[str]:
-    """Warnings for runs that may not be independent: a seed used twice, or two logs with
-    identical validation-loss sequences (the same run counted twice, or a fixed seed)."""
+def pseudo_replication(groups: dict[str, Sequence[RunSummary]]) -> list[str]:
+    """Warnings for runs that may not be independent.
+
+    A seed used twice *within one group* (that group's n counts one sample twice or, with a
+    nondeterministic run, two correlated ones), and two logs anywhere with identical
+    validation-loss sequences (the same run counted twice).  The same seed in different groups is
+    not flagged: giving every arm the same seeds is the paired design ``speedrun compare`` uses.
+    """
     out = []
-    seeds = Counter(r.seed for r in runs if r.seed is not None)
-    for seed, k in sorted(seeds.items()):
-        if k > 1:
-            names = [r.name for r in runs if r.seed == seed]
-            out.append(f"pseudo-replication: seed {seed} appears in {k} runs ({', '.join(names)})")
+    for label, runs in groups.items():
+        seeds = Counter(r.seed for r in runs if r.seed is not None)
+        for seed, k in sorted(seeds.items()):
+            if k > 1:
+                names = [r.name for r in runs if r.seed == seed]
+                out.append(f"pseudo-replication: seed {seed} appears in {k} runs of {label} ({', '.join(names)})")
     by_curve: dict[tuple, list[str]] = {}
-    for r in runs:
-        curve = tuple(loss for _, loss, _ in r.val_curve)
-        if len(curve) >= 2:
-            by_curve.setdefault(curve, []).append(r.path)
+    for runs in groups.values():
+        for r in runs:
+            curve = tuple(loss for _, loss, _ in r.val_curve)
+            if len(curve) >= 2:
+                by_curve.setdefault(curve, []).append(r.path)
     for names in by_curve.values():
         if len(names) > 1:
             out.append(
@@ -176,8 +183,7 @@ def analyze(
         "groups": {k: group_stats(v, target) for k, v in groups.items()},
         "warnings": list(warnings),
     }
-    all_runs = [r for v in groups.values() for r in v if r.usable]
-    result["warnings"] += pseudo_replication(all_runs)
+    result["warnings"] += pseudo_replication({k: [r for r in v if r.usable] for k, v in groups.items()})
     for k, g in result["groups"].items():
         if g["n"] < 2:
             result["warnings"].append(f"{k}: {g['n']} usable run(s); tests need at least 2")

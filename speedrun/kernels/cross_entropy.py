@@ -54,7 +54,6 @@ make the kernel equal to the autograd gradient of the reference loss.
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import torch
@@ -63,6 +62,7 @@ import triton
 import triton.language as tl
 
 from speedrun.errors import DataError
+from speedrun.kernels.fp8_cache import interpreting
 from speedrun.kernels.fp8_ops import quantize_tensorwise, scaled_mm, to_scale_tensor
 
 __all__ = [
@@ -89,8 +89,7 @@ _LOG2E = 1.4426950408889634
 
 # The Triton 3.6 interpreter's fp32 -> e5m2 cast gets the exponent wrong when rounding carries into
 # the next binade, and its fp32 -> bf16 cast truncates, so under TRITON_INTERPRET the kernel rounds
-# in software first (exactly, RTNE) and the cast only copies an already representable value.  Read once: never changes in a process.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# in software first (exactly, RTNE) and the cast only copies an already representable value.
 
 # ----------------------------------------------------------------------------------------------
 # Input checks shared by every entry point
@@ -504,7 +503,7 @@ def transpose_fp8(x: torch.Tensor) -> torch.Tensor:
     """
     if x.dim() != 2 or x.element_size() != 1 or not x.is_contiguous():
         raise ValueError(f"transpose_fp8 needs a contiguous 2-D 1-byte tensor, got {x.dtype} {tuple(x.shape)}")
-    if not (x.is_cuda or _INTERPRET) or x.numel() == 0:
+    if not (x.is_cuda or interpreting()) or x.numel() == 0:
         return x.t().contiguous()
     r, c = x.shape
     out = torch.empty((c, r), dtype=x.dtype, device=x.device)
@@ -555,6 +554,9 @@ def softcapped_ce_fwd_bwd(
     ``num_warps``: Triton warps per program.
     """
     vocab_size = _check_logits(logits, vocab_size)
+    if logits.device.type != "cuda" and not interpreting():
+        raise ValueError("softcapped_ce_fwd_bwd: the Triton kernel needs a CUDA tensor or TRITON_INTERPRET=1 "
+                         "(set before import); use softcapped_ce_fwd_bwd_reference on this device")
     _check_softcap(softcap)
     n, v_pad = logits.shape
     _check_targets(n, targets, prefix_targets, vocab_size, check_targets)
@@ -586,7 +588,7 @@ def softcapped_ce_fwd_bwd(
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
     if block_m is None:
         # The interpreter pays per operation, not per element: whole-batch tiles keep tests fast.
-        block_m = min(64, triton.next_power_of_2(n)) if _INTERPRET else 1
+        block_m = min(64, triton.next_power_of_2(n)) if interpreting() else 1
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 1, got {block_m}")
     a, b, c = softcap if softcap is not None else (1.0, 0.0, 1.0)
@@ -615,8 +617,8 @@ def softcapped_ce_fwd_bwd(
         HAS_PREFIX=prefix_targets is not None,
         SOFTCAP=softcap is not None,
         GRAD_FP8=grad_dtype == torch.float8_e5m2,
-        SOFT_ROUND=_INTERPRET,
-        SOFT_ROUND_BF16=_INTERPRET and grad_dtype == torch.bfloat16,
+        SOFT_ROUND=interpreting(),
+        SOFT_ROUND_BF16=interpreting() and grad_dtype == torch.bfloat16,
         BLOCK_M=block_m,
         BLOCK_V=block_v,
         num_warps=num_warps,
@@ -654,12 +656,14 @@ def _check_head_inputs(x: torch.Tensor, weight: torch.Tensor, vocab_size: int | 
     return vocab_size
 
 
-def _ce_impl(backend: str):
+def _ce_impl(backend: str, device: torch.device):
+    if backend == "auto":  # the Triton kernel where it can run (CUDA, or CPU under the interpreter)
+        backend = "triton" if (device.type == "cuda" or interpreting()) else "reference"
     if backend == "triton":
         return softcapped_ce_fwd_bwd
     if backend == "reference":
         return softcapped_ce_fwd_bwd_reference
-    raise ValueError(f"ce_backend must be 'triton' or 'reference', got {backend!r}")
+    raise ValueError(f"ce_backend must be 'auto', 'triton' or 'reference', got {backend!r}")
 
 
 class FusedSoftcappedCE(torch.autograd.Function):
@@ -682,7 +686,7 @@ class FusedSoftcappedCE(torch.autograd.Function):
         grad_unit_scale,
         ce_backend,
     ):
-        ce = _ce_impl(ce_backend)
+        ce = _ce_impl(ce_backend, x.device)
         if use_fp8:
             x_f8 = quantize_tensorwise(x, x_scale, torch.float8_e4m3fn)
             w_f8 = quantize_tensorwise(weight, w_scale, torch.float8_e4m3fn)  # (D, V) row-major
@@ -747,7 +751,7 @@ def fused_softcapped_ce(
     x_scale: float = X_SCALE,
     w_scale: float = W_SCALE,
     grad_unit_scale: float = GRAD_UNIT_SCALE,
-    ce_backend: str = "triton",
+    ce_backend: str = "auto",
 ) -> torch.Tensor:
     """Training loss head: per-token losses (N,) fp32 from hidden states ``x`` and head ``weight``.
 
@@ -760,8 +764,9 @@ def fused_softcapped_ce(
 
     Forward also computes ``dlogits`` (kept for backward, N*V_pad elements: 2.5 GB in e5m2 at
     N=49152), so backward is only the dX and dW GEMMs; ``grad_output`` is honoured per row.
-    Gradients flow to ``x`` and ``weight`` only.  ``ce_backend="reference"`` swaps the Triton CE
-    kernel for the PyTorch reference (tests).
+    Gradients flow to ``x`` and ``weight`` only.  ``ce_backend``: "triton" (the fused kernel),
+    "reference" (its PyTorch reference, for tests) or "auto" (Triton on CUDA and under
+    ``TRITON_INTERPRET=1``, else the reference).
     """
     vocab_size = _check_head_inputs(x, weight, vocab_size)
     _check_softcap(softcap)
@@ -804,7 +809,7 @@ def fused_softcapped_ce_reference(
     x_scale: float = X_SCALE,
     w_scale: float = W_SCALE,
     grad_unit_scale: float = GRAD_UNIT_SCALE,
-    ce_backend: str = "triton",
+    ce_backend: str = "auto",
 ) -> torch.Tensor:
     """Reference for :func:`fused_softcapped_ce` (same signature) by plain autograd.
 

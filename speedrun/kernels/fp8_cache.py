@@ -365,6 +365,7 @@ class FP8WeightCache:
         self._raw_scale: dict[str, torch.Tensor] = {}  # scale used at the last refresh, no multiplier
         self._refreshes: dict[str, int] = {}
         self._sources: dict[str, tuple[torch.Tensor, int]] = {}
+        self._replay: dict[str, torch.Tensor] = {}  # scales the next refresh reuses (after a load)
 
     @property
     def valid(self) -> bool:
@@ -399,7 +400,9 @@ class FP8WeightCache:
                 raise ValueError(f"weight {name!r} changed shape from {tuple(prev.data.shape)} to {tuple(w.shape)}")
             n = self._refreshes.get(name, 0)
             fmax = FP8_MAX[self.fp8_dtype]
-            if n < self.bootstrap_refreshes or name not in self._amax:
+            if name in self._replay:
+                scale = self._replay.pop(name).to(w.device)
+            elif n < self.bootstrap_refreshes or name not in self._amax:
                 amax_now = w.detach().abs().amax(dim=(-2, -1)).float()
                 scale = amax_now.clamp_min(AMAX_FLOOR) / fmax
             else:
@@ -439,6 +442,25 @@ class FP8WeightCache:
                     "call refresh() once per optimizer update"
                 )
         return self._entries[name]
+
+    def state_dict(self) -> dict:
+        """The delayed-scaling state (no FP8 data: that is rebuilt from the weights).
+
+        ``raw_scale`` is the scale each entry was quantised with, ``amax`` what that refresh
+        measured (the next scale's source), ``refreshes`` the count per name (bootstrap phase)."""
+        return {"version": self.version, "refreshes": dict(self._refreshes),
+                "raw_scale": {k: v.detach().clone() for k, v in self._raw_scale.items()},
+                "amax": {k: v.detach().clone() for k, v in self._amax.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s state; the next :meth:`refresh` (of the restored weights)
+        re-quantises with the saved scales, so it rebuilds the very FP8 entries that were saved."""
+        self._replay = {k: v.detach().clone() for k, v in state["raw_scale"].items()}
+        self._amax = {k: v.detach().clone() for k, v in state["amax"].items()}
+        # The replaying refresh counts again and bumps the version back to the saved values.
+        self._refreshes = {k: n - 1 for k, n in state["refreshes"].items()}
+        self.version = state["version"] - 1
+        self._valid = False
 
     def saturated(self, name: str) -> torch.Tensor:
         """Device bool (per matrix): did the last refresh clip values (amax > 448 * scale)?"""

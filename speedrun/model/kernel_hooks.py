@@ -60,6 +60,26 @@ class FusedMLP:
         self._handles = {}
         self.prepare(layers)
 
+    _SCALE_FIELDS = ("post_amax", "dpre_amax", "post_ready", "dpre_ready", "calls")
+
+    def state_dict(self) -> dict:
+        """Each layer's delayed activation scales (:class:`~speedrun.kernels.mlp.MLPScaleState`)."""
+        out = {}
+        for key, st in self.scales.items():
+            out[key] = {f: (getattr(st, f).detach().clone() if isinstance(getattr(st, f), torch.Tensor)
+                            else getattr(st, f)) for f in self._SCALE_FIELDS}
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        from speedrun.kernels.mlp import MLPScaleState
+
+        self.scales = {}
+        for key, fields in state.items():
+            st = MLPScaleState.create(fields["post_amax"].device)
+            for f in self._SCALE_FIELDS:
+                setattr(st, f, fields[f].detach().clone() if isinstance(fields[f], torch.Tensor) else fields[f])
+            self.scales[key] = st
+
     def prepare(self, layers) -> None:
         """Register the op of every layer in ``layers`` (call outside compiled code)."""
         for layer in layers:

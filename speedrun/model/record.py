@@ -313,6 +313,7 @@ class RecordGPT(nn.Module):
         self.dc_impl = dc_postonly_correction
         self._mlp_fp8 = None  # FP8WeightCache of mlp_bank, refreshed once per optimizer update
         self._qkv_fp8: dict[int, object] = {}  # attention index -> PackedQKV, same cadence
+        self._qkv_replay: dict[int, torch.Tensor] = {}  # raw scales the next refresh reuses (resume)
         self._qkv_fp8_versions: tuple[int, ...] | None = None
         if model_cfg.kernels != "reference":
             from speedrun.model.kernel_hooks import install_kernels
@@ -544,10 +545,50 @@ class RecordGPT(nn.Module):
             for i in self.attn_layers:
                 j = self.attn_index[i]
                 prev = self._qkv_fp8.get(j)
-                scale = None if prev is None else delayed_scale(prev.amax)
+                if j in self._qkv_replay:
+                    scale = self._qkv_replay.pop(j)
+                else:
+                    scale = None if prev is None else delayed_scale(prev.amax)
                 self._qkv_fp8[j] = pack_qkv_fp8(self.qk_bank[j * H : (j + 1) * H], self.vo_bank[2 * j],
                                                 self.scalars[2 * i], num_heads=H, scale=scale)
             self._qkv_fp8_versions = self._qkv_sources_version()
+
+    def fp8_state_dict(self) -> dict:
+        """The FP8 delayed-scaling state a checkpoint needs for an exact resume: the MLP weight
+        cache's and each packed QKV weight's scales, and the MLP activation scales.  Empty when
+        nothing runs in FP8.  Tensors are on the model's device."""
+        state = {}
+        if self._mlp_fp8 is not None:
+            state["mlp_weights"] = self._mlp_fp8.state_dict()
+        if self._qkv_fp8:
+            state["qkv"] = {j: {"raw_scale": p.raw_scale.clone(), "amax": p.amax.clone()}
+                            for j, p in self._qkv_fp8.items()}
+        if hasattr(self.mlp_impl, "state_dict"):
+            state["mlp_activations"] = self.mlp_impl.state_dict()
+        return {k: v for k, v in state.items() if v}
+
+    def load_fp8_state_dict(self, state: dict) -> None:
+        """Restore :meth:`fp8_state_dict` (after loading the weights it was saved with); the next
+        :meth:`refresh_fp8_weights` rebuilds the saved FP8 weights exactly."""
+        unknown = set(state) - {"mlp_weights", "qkv", "mlp_activations"}
+        if unknown:
+            raise ValueError(f"unknown FP8 state sections {sorted(unknown)}")
+        if "mlp_weights" in state:
+            if self.cfg.kernels not in ("fp8", "fp8_full"):
+                raise ValueError(f"checkpoint has FP8 MLP weight scales but model.kernels={self.cfg.kernels!r}")
+            from speedrun.kernels.fp8_cache import FP8WeightCache
+
+            if self._mlp_fp8 is None:
+                self._mlp_fp8 = FP8WeightCache()
+            self._mlp_fp8.load_state_dict(state["mlp_weights"])
+        if "qkv" in state:
+            if self.cfg.qkv_path != "fused_fp8":
+                raise ValueError(f"checkpoint has packed FP8 QKV scales but model.qkv_path={self.cfg.qkv_path!r}")
+            self._qkv_replay = {int(j): v["raw_scale"].clone() for j, v in state["qkv"].items()}
+        if "mlp_activations" in state:
+            if not hasattr(self.mlp_impl, "load_state_dict"):
+                raise ValueError(f"checkpoint has FP8 MLP activation scales but model.kernels={self.cfg.kernels!r}")
+            self.mlp_impl.load_state_dict(state["mlp_activations"])
 
     def _qkv_sources_version(self) -> tuple[int, ...]:
         return (self.qk_bank._version, self.vo_bank._version, self.scalars._version)

@@ -626,12 +626,18 @@ class NorMuonAndAdam:
 
     def state_dict(self) -> dict:
         """This rank's state: {"labels": {label: {name: tensor|int}}, "split_embed", "world_size",
-        "rank"}.  Tensors are references; deep-copy to snapshot."""
+        "rank", "pending_grads", "touched"}.  ``pending_grads``: the Adam gradients summed since the
+        last Adam step (after an even step they carry a step's worth of signal, so a resume needs
+        them); ``touched``: the rows marked for the sparse exchange since then.  Tensors are
+        references; deep-copy to snapshot."""
         return {
             "labels": {lab: dict(e.state) for lab, e in self.entries.items()},
             "split_embed": self.split_embed,
             "world_size": self.comms.world,
             "rank": self.comms.rank,
+            "pending_grads": {lab: e.param.grad for lab, e in self.entries.items()
+                              if e.spec.optim == "adam" and e.param.grad is not None},
+            "touched": dict(self._touched),
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -651,4 +657,11 @@ class NorMuonAndAdam:
                 else:
                     st[k] = v
         self.split_embed = bool(sd.get("split_embed", False))
+        if "pending_grads" in sd:
+            for lab, e in self.entries.items():
+                g = sd["pending_grads"].get(lab)
+                if g is not None and g.shape != e.param.shape:
+                    raise ValueError(f"state_dict pending gradient of {lab}: shape {tuple(g.shape)} does not match")
+                e.param.grad = None if g is None else g.detach().to(e.param.device, e.param.dtype).clone()
+            self._touched = {lab: m.to(self.entries[lab].param.device).clone() for lab, m in sd.get("touched", {}).items()}
 

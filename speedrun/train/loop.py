@@ -201,6 +201,17 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def _tensors_to_cpu(obj):
+    """``obj`` (nested dicts/lists of tensors and plain values) with every tensor copied to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _tensors_to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_tensors_to_cpu(v) for v in obj)
+    return obj
+
+
 def _gather_objects(obj, info) -> list:
     if not info.enabled:
         return [obj]
@@ -324,6 +335,12 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     if resume:
         ckpt = load_latest(run_dir, map_location=device)
         model.load_state_dict(ckpt["model"])
+        fp8_states = ckpt.get("fp8") or []
+        if len(fp8_states) not in (0, info.world_size):
+            raise ConfigError(f"checkpoint holds FP8 state of {len(fp8_states)} ranks; this run has "
+                                  f"{info.world_size}: resume with the world size it was saved with")
+        if fp8_states and fp8_states[info.rank]:
+            model.load_fp8_state_dict(fp8_states[info.rank])  # before sync_to's refresh, which replays it
         start_step, train_ms = ckpt["step"], ckpt["train_time_ms"]
         if ckpt["optimizer"] is None:  # sharded: every rank kept its own part
             optimizer.load_state_dict(load_rank_state(run_dir, start_step, info.rank, device)["optimizer"])
@@ -333,6 +350,9 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         loader.close()
         loader = make_loader(stage_index)
         loader.load_state_dict(ckpt["loaders"][info.rank])
+        # The saved state carries the shape of the step before the checkpoint; a checkpoint taken
+        # at a stage boundary resumes into the next stage's shape.
+        loader.set_shape(per_rank[stage_index], stages[stage_index].max_seq_len, cfg.train.max_docs or None)
         _set_rng_state(ckpt["rng"], device)
         recipe.sync_to(max(start_step - 1, 0))
         log.print(f"Resumed from step {start_step} (train_time {train_ms:.0f}ms)")
@@ -341,12 +361,16 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
 
     def checkpoint(step: int) -> None:
         loaders = _gather_objects(loader.state_dict(), info)
+        # Activation scales are measured on each rank's own data: every rank's state is kept.
+        fp8_states = _gather_objects(_tensors_to_cpu(model.fp8_state_dict()) if hasattr(model, "fp8_state_dict")
+                                     else {}, info)
         if sharded_optimizer:
             save_rank_state(run_dir, step, info.rank, {"optimizer": optimizer.state_dict()})
             distributed.barrier(info)
         if info.is_main:
             save_checkpoint(run_dir, step, {
                 "step": step, "train_time_ms": train_ms, "model": model.state_dict(),
+                "fp8": fp8_states,
                 "optimizer": None if sharded_optimizer else optimizer.state_dict(), "loaders": loaders,
                 "rng": _rng_state(device), "config": cfg.to_dict(),
             })
