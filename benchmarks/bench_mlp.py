@@ -9,7 +9,9 @@ Prints a table and writes ``$OUT/bench_mlp.json`` (``OUT`` defaults to ``./bench
 * the cost of emitting the transposed FP8 layouts (epilogue with vs without the (N, M) store),
   and, per weight-gradient GEMM, bf16 time vs FP8 time + transposes (the keep-bf16 test);
 * the whole MLP forward+backward per mode, and a plain torch bf16 autograd MLP;
-* the FP8 weight-cache refresh of an (L, 3072, 768) W1 and W2 bank (one read, two layouts).
+* the FP8 weight-cache refresh of an (L, 3072, 768) W1 and W2 bank (one read, two layouts);
+* the fused ReLU² GEMM against the split path (cuBLAS GEMM + epilogue pass), per call and for
+  the whole FP8 MLP, in interleaved rounds (``split_vs_fused`` in the JSON).
 
 Usage: ``python benchmarks/bench_mlp.py [--tokens 49152] [--dim 768] [--hidden 3072] [--layers 11] [--sweep]``.
 """
@@ -152,6 +154,32 @@ def main(argv=None) -> int:
             lambda: M.relu2_gemm(gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, store_out=False, q_dtype=E5M2, q_scale=ds, emit_transposed=True, amax=amax), gemm_flop)
         rec("bf16", "up: triton relu2 fwd, pointer kernel", lambda: M.relu2_gemm(x, w1), gemm_flop)
         M.USE_TMA = True
+    # ---- fused Triton GEMM + epilogue vs the split path (cuBLAS GEMM, then the epilogue pass),
+    # interleaved rounds (fused, split, fused, split, ...), medians and the split/fused ratio
+    import statistics
+
+    def ab(name, make, flop, rounds=7):
+        times = {"fused": [], "split": []}
+        for _ in range(rounds):
+            for impl in ("fused", "split"):
+                times[impl].append(_bench(make(impl), rep_ms=60))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for impl in ("fused", "split"):
+            rows.append({"group": "split", "name": f"{name} [{impl}]", "ms": med[impl], "tflops": _tflops(flop, med[impl]),
+                         "range_ms": [min(times[impl]), max(times[impl])]})
+        res.setdefault("split_vs_fused", {})[name] = {"fused_ms": med["fused"], "split_ms": med["split"],
+                                                       "ratio": med["split"] / med["fused"], "times": times}
+
+    ab("up fp8 e4m3 both layouts", lambda impl: lambda: M.relu2_gemm(
+        xq, w1q, a_scale=xs, b_scale=w1s, store_out=False, q_dtype=E4M3, q_scale=ps, emit_transposed=True, amax=amax,
+        impl=impl), gemm_flop)
+    ab("up fp8 bf16 + e4m3 row-major (fp8_fwd)", lambda impl: lambda: M.relu2_gemm(
+        xq, w1q, a_scale=xs, b_scale=w1s, q_dtype=E4M3, q_scale=ps, amax=amax, impl=impl), gemm_flop)
+    ab("dpre fp8 e5m2 both layouts", lambda impl: lambda: M.relu2_gemm(
+        gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, store_out=False, q_dtype=E5M2, q_scale=ds,
+        emit_transposed=True, amax=amax, impl=impl), gemm_flop)
+    ab("up bf16", lambda impl: lambda: M.relu2_gemm(x, w1, impl=impl), gemm_flop)
+
     fp8_w = {}
     for fast in (False, True):
         sfx = " (fast accum)" if fast else ""
@@ -211,6 +239,26 @@ def main(argv=None) -> int:
         (torch.relu(xr @ w1r.t()).square() @ w2r.t()).backward(g)
 
     mlp_ms["torch_bf16"] = rec("mlp", "fwd+bwd plain torch bf16 autograd", torch_step, 6 * gemm_flop)
+    saved_impl = M.GEMM_IMPL
+    for mode in ("fp8_fwd", "fp8_full"):
+        xr, w1r, w2r = (t.clone().requires_grad_() for t in (x, w1, w2))
+        state = M.MLPScaleState.create(dev)
+
+        def step(mode=mode, xr=xr, w1r=w1r, w2r=w2r, state=state):
+            xr.grad = w1r.grad = w2r.grad = None
+            M.relu2_mlp(xr, w1r, w2r, mode=mode, cache=wc, scales=state).backward(g)
+
+        step()
+        times = {"fused": [], "split": []}
+        for _ in range(7):
+            for impl in ("fused", "split"):
+                M.GEMM_IMPL = impl
+                times[impl].append(_bench(step, rep_ms=60))
+        M.GEMM_IMPL = saved_impl
+        for impl in ("fused", "split"):
+            mlp_ms[f"{mode}_{impl}_interleaved"] = statistics.median(times[impl])
+            rows.append({"group": "mlp", "name": f"fwd+bwd {mode} GEMM_IMPL={impl} (interleaved)",
+                         "ms": statistics.median(times[impl]), "tflops": _tflops(6 * gemm_flop, statistics.median(times[impl]))})
     res["mlp_ms"] = mlp_ms
 
     # ---- FP8 weight cache refresh over a bank
@@ -286,6 +334,9 @@ def main(argv=None) -> int:
         parts = ", ".join(f"{n} {t:.3f}" for n, t in v["parts"].items())
         print(f"{k}: FP8 route {v['fp8_route_ms']:.3f} ms vs bf16 route {v['bf16_route_ms']:.3f} ms "
               f"-> {'FP8' if v['fp8_wins'] else 'keep bf16'}   ({parts})")
+    for k, v in res["split_vs_fused"].items():
+        print(f"split/fused {k}: {v['split_ms']:.3f} / {v['fused_ms']:.3f} ms = {v['ratio']:.3f} "
+              f"(medians of 7 interleaved rounds; fused range {min(v['times']['fused']):.3f}-{max(v['times']['fused']):.3f})")
     if args.sweep:
         for s_ in res["sweep"]:
             print(s_)

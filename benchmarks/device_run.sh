@@ -67,8 +67,13 @@ for part in $parts; do
         cp "/tmp/prof_$arm/profile.md" "$OUT/profile_$arm.md" 2>/dev/null
       done ;;
     abloss)
-      log "loss A/B: record vs candidate, ${AB_SEEDS:-3} seeds each, eager, batch/4, 105 + 30 steps"
-      timeout "$(left 580)" python3 -m speedrun compare --arm base=record --arm cand=candidate \
+      # AB_SEEDS: a count (0..N-1) or a list "2,3"; AB_ARMS: space-separated NAME=PRESET[:overrides]
+      # (default "base=record cand=candidate"; e.g. add "bf16=candidate:model.qkv_path=fused,model.kernels=fp8"
+      # to separate the FP8 effects from the 96-wide Q/K).  Eager runs are launch-bound (~0.7 s/step
+      # at any batch): ~150 s per run with the two full validations.
+      log "loss A/B: ${AB_ARMS:-base=record cand=candidate}, seeds ${AB_SEEDS:-3}, eager, batch/4, 105 + 30 steps"
+      arms=""; for a in ${AB_ARMS:-base=record cand=candidate}; do arms="$arms --arm $a"; done
+      timeout "$(left 580)" python3 -m speedrun compare $arms \
         --seeds "${AB_SEEDS:-3}" --out /tmp/ab --quiet --no-measure --set train.compile=false \
         --set train.batch_divisor=4 --set train.steps=135 --set train.num_extension=30 \
         --set train.max_docs=256 --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" \
@@ -76,8 +81,8 @@ for part in $parts; do
       mkdir -p "$OUT/ab"; cp /tmp/ab/README.md /tmp/ab/results.json /tmp/ab/manifest.json /tmp/ab/*.png "$OUT/ab/" 2>/dev/null
       for d in /tmp/ab/runs/*/; do cp "$d/log.txt" "$OUT/ab/$(basename "$d").log.txt" 2>/dev/null; done
       cat /tmp/ab/README.md 2>/dev/null | head -40 ;;
-    recordrun) short_run record 400 ;;
-    candrun) short_run candidate 400 ;;
+    recordrun) short_run record 570 ;;
+    candrun) short_run candidate 570 ;;
   esac
 done
 log done

@@ -136,3 +136,31 @@ def test_training_refreshes_the_fp8_cache_once_per_update(tmp_path, builtin_cach
     assert result.final_val_loss == result.final_val_loss
     (recipe,) = seen
     assert recipe.fp8_refreshes == 1 + 5  # at construction, then after each of the 5 updates
+
+
+@pytest.mark.parametrize("qkv_path", ["fused", "fused_fp8"])
+def test_qk_prep_writes_the_backends_padded_width(qkv_path):
+    """With a backend that needs D_qk == D_v (varlen, FA3) QK-prep writes Q/K zero-padded to D_v, so
+    the backend pads nothing; loss and gradients equal the unpadded path (DC reads the Dqk view)."""
+    from speedrun.attention.reference import reference_attention
+
+    seen = []
+
+    def equal_width_backend(q, k, v, cu_seqlens, max_seqlen, *, window=None, scale=None):
+        seen.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        assert scale is not None
+        return reference_attention(q, k, v, cu_seqlens, max_seqlen, window=window, scale=scale)
+
+    equal_width_backend.pads_qk_to_v = True
+    _, plain = _pair(qkv_path)
+    _, padded = _pair(qkv_path)
+    padded._backends[torch.device("cpu")] = equal_width_backend
+    batch = _batch()
+    lp, lq = plain.loss(batch, ARGS), padded.loss(batch, ARGS)
+    lp.backward()
+    lq.backward()
+    assert seen and all(s == (16, 16, 16) for s in seen), seen
+    assert torch.allclose(lp, lq, rtol=1e-6), (lp.item(), lq.item())
+    gp, gq = _grads(plain), _grads(padded)
+    for name in gp:
+        assert torch.allclose(gp[name], gq[name], rtol=1e-4, atol=1e-6), name

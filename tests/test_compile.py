@@ -12,11 +12,20 @@ import copy
 import pytest
 import torch
 
+from speedrun.attention.reference import reference_attention
 from speedrun.config import ModelConfig
 from speedrun.kernels import opaque
 from speedrun.model.gpt import GPT
 from speedrun.model.record import RecordGPT
 from test_candidate import ARGS, _batch, _grads, _pair
+
+
+def _equal_width_reference(q, k, v, cu_seqlens, max_seqlen, *, window=None, scale=None):
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1], "QK-prep should have padded Q/K to V's width"
+    return reference_attention(q, k, v, cu_seqlens, max_seqlen, window=window, scale=scale)
+
+
+_equal_width_reference.pads_qk_to_v = True
 
 
 def _compiled(model):
@@ -32,7 +41,10 @@ def test_compiled_record_network_equals_eager(qkv_path, kernels):
     the delayed FP8 scales the first measured)."""
     torch._dynamo.reset()
     _, eager = _pair(qkv_path, kernels)
+    if qkv_path != "reference":  # the GPU's case: a backend that wants Q/K at V's width (varlen, FA3)
+        eager._backends[torch.device("cpu")] = _equal_width_reference
     compiled = _compiled(copy.deepcopy(eager))
+    compiled._backends = dict(eager._backends)
     for step in range(2):
         batch = _batch(64 + 16 * step)
         le, lc = eager.loss(batch, ARGS), compiled.loss(batch, ARGS)

@@ -53,16 +53,18 @@ def inputs(seed, t=T, d=D, h=H):
 
 @needs_kernel
 @pytest.mark.parametrize("t,d", [(64, 64), (40, 48)])  # (40, 48): ragged M tile and K not a multiple of BLOCK_K
-def test_gemm_forward_bf16(t, d):
+@pytest.mark.parametrize("impl", ["fused", "split"])
+def test_gemm_forward_bf16(t, d, impl):
     x, w1, _, _ = inputs(1, t, d)
-    r = relu2_gemm(x, w1, out=nan_like((t, H), torch.bfloat16))
+    r = relu2_gemm(x, w1, out=nan_like((t, H), torch.bfloat16), impl=impl)
     ref = relu2_gemm_reference(x, w1)
     assert rel(r.out, ref.out) < 1e-2
     assert r.q is None and r.qt is None
 
 
 @needs_kernel
-def test_gemm_forward_fp8_emits_both_layouts_and_amax():
+@pytest.mark.parametrize("impl", ["fused", "split"])
+def test_gemm_forward_fp8_emits_both_layouts_and_amax(impl):
     x, w1, _, _ = inputs(2)
     xq, _, xs = quantize_current(x, transposed=False)
     wq, _, ws = quantize_current(w1, transposed=False)
@@ -71,7 +73,7 @@ def test_gemm_forward_fp8_emits_both_layouts_and_amax():
     kw = dict(a_scale=xs, b_scale=ws, q_dtype=E4M3, q_scale=qs, emit_transposed=True)
     r = relu2_gemm(
         xq, wq, out=nan_like((T, H), torch.bfloat16), out_q=nan_like((T, H), E4M3), out_qt=nan_like((H, T), E4M3),
-        amax=torch.zeros((), device=DEV), **kw,
+        amax=torch.zeros((), device=DEV), impl=impl, **kw,
     )
     rr = relu2_gemm_reference(xq, wq, amax=torch.zeros((), device=DEV), **kw)
     assert rel(r.out, rr.out) < 1e-2
@@ -82,10 +84,11 @@ def test_gemm_forward_fp8_emits_both_layouts_and_amax():
 
 
 @needs_kernel
-def test_gemm_backward_bf16_rebuilds_relu_from_post():
+@pytest.mark.parametrize("impl", ["fused", "split"])
+def test_gemm_backward_bf16_rebuilds_relu_from_post(impl):
     x, w1, w2, gy = inputs(3)
     post = relu2_gemm_reference(x, w1).out
-    r = relu2_gemm(gy, w2.t(), aux=post, out=nan_like((T, H), torch.bfloat16))
+    r = relu2_gemm(gy, w2.t(), aux=post, out=nan_like((T, H), torch.bfloat16), impl=impl)
     ref = relu2_gemm_reference(gy, w2.t(), aux=post)
     assert rel(r.out, ref.out) < 1e-2
     # The math: dpre = (g @ w2) * 2 relu(pre), relu(pre) = sqrt(post).
@@ -94,7 +97,8 @@ def test_gemm_backward_bf16_rebuilds_relu_from_post():
 
 
 @needs_kernel
-def test_gemm_backward_fp8_e5m2_both_layouts():
+@pytest.mark.parametrize("impl", ["fused", "split"])
+def test_gemm_backward_fp8_e5m2_both_layouts(impl):
     x, w1, w2, gy = inputs(4)
     post = relu2_gemm_reference(x, w1).out
     pq, _, ps = quantize_current(post, transposed=False)
@@ -103,7 +107,8 @@ def test_gemm_backward_fp8_e5m2_both_layouts():
     dref = relu2_gemm_reference(gy, w2.t(), aux=post).out
     ds = dref.float().abs().amax() * 2 / 57344
     kw = dict(aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, q_dtype=E5M2, q_scale=ds, emit_transposed=True)
-    r = relu2_gemm(gq, w2qt, store_out=False, out_q=nan_like((T, H), E5M2), out_qt=nan_like((H, T), E5M2), **kw)
+    r = relu2_gemm(gq, w2qt, store_out=False, out_q=nan_like((T, H), E5M2), out_qt=nan_like((H, T), E5M2),
+                   impl=impl, **kw)
     rr = relu2_gemm_reference(gq, w2qt, store_out=False, **kw)
     assert r.out is None
     assert rel(r.q, rr.q) < 3e-2
@@ -121,6 +126,8 @@ def test_gemm_rejects_bad_shapes_and_dtypes():
         relu2_gemm(torch.randn(64, 64).to(E4M3), torch.randn(64, 64).to(E4M3))
     with pytest.raises(ValueError, match="emit_transposed"):
         relu2_gemm(torch.randn(64, 64).bfloat16(), torch.randn(64, 64).bfloat16(), emit_transposed=True)
+    with pytest.raises(ValueError, match="impl must be"):
+        relu2_gemm(torch.randn(64, 64).bfloat16(), torch.randn(64, 64).bfloat16(), impl="cublas")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,8 +152,12 @@ def _reference(x, w1, w2, gy):
 
 
 @needs_kernel
+@pytest.mark.parametrize("impl", ["fused", "split"])
 @pytest.mark.parametrize("mode,bound_y,bound_g", [("bf16", 1e-2, 1e-2), ("fp8_fwd", 8e-2, 8e-2), ("fp8_full", 8e-2, 0.12)])
-def test_mlp_forward_backward_vs_reference(mode, bound_y, bound_g):
+def test_mlp_forward_backward_vs_reference(mode, bound_y, bound_g, impl, monkeypatch):
+    from speedrun.kernels import mlp
+
+    monkeypatch.setattr(mlp, "GEMM_IMPL", impl)
     x, w1, w2, gy = inputs(5)
     ref = _reference(x, w1, w2, gy)
     y, dx, dw1, dw2, state = _run(mode, x, w1, w2, gy)

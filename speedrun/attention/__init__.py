@@ -18,6 +18,10 @@ Backends: ``reference`` (plain PyTorch, any device, the test oracle), ``flex`` (
 with block masks; takes D_qk != D_v natively), ``varlen`` (torch's built-in FlashAttention varlen
 kernel; pads Q/K with zeros to D_v), ``fa3`` (FlashAttention-3 through the optional ``kernels``
 package).  ``auto`` picks the fastest that works on the tensors' device.
+
+A backend function with ``pads_qk_to_v = True`` runs with D_qk == D_v only and zero-pads narrower
+Q/K itself; a caller that can produce Q/K already padded (zeros in the extra columns, ``scale``
+passed explicitly) saves those copies.
 """
 
 from __future__ import annotations

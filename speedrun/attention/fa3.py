@@ -55,3 +55,7 @@ def fa3_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, window=None, scale=
         causal=True, softmax_scale=scale, window_size=(left, 0),
     )
     return out[0] if isinstance(out, tuple) else out
+
+
+# Same contract as the varlen backend: Q/K may arrive zero-padded to D_v (with an explicit scale).
+fa3_varlen_attention.pads_qk_to_v = True

@@ -58,3 +58,8 @@ def torch_varlen_attention(
     cu = cu_seqlens.to(torch.int32)
     left = -1 if window is None else int(window)
     return _varlen_fn()(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), scale=scale, window_size=(left, 0))
+
+
+# The kernel needs D_qk == D_v: producers that can write Q/K already zero-padded to D_v (the fused
+# QK-prep) do so and save this function's pad copies; they must pass ``scale`` explicitly.
+torch_varlen_attention.pads_qk_to_v = True

@@ -39,7 +39,10 @@ calibrates from a current measurement (one extra GEMM, once).
 Kernels.  One fused GEMM, :func:`relu2_gemm`, in two variants behind one dispatcher: a plain
 pointer-load kernel (any strides; runs in the CPU interpreter, ``TRITON_INTERPRET=1``, at small
 shapes) and, on sm90 with K-major contiguous operands, a persistent TMA-descriptor kernel
-(``USE_TMA``); both share one epilogue.  FP8 outputs are produced as bit patterns by integer
+(``USE_TMA``); both share one epilogue.  A third route, ``impl="split"`` (module default
+``GEMM_IMPL``), runs the GEMM through cuBLAS into a bf16 temporary and the same epilogue as a
+bandwidth-bound Triton pass: it trades two passes over an (M, N) bf16 tensor for cuBLAS's faster
+mainloop (benchmarks/bench_mlp.py times both, interleaved).  FP8 outputs are produced as bit patterns by integer
 arithmetic and stored through uint8 views: a kernel that stores an FP8 tile both row-major and
 transposed gets corrupted bytes from the cvt path on sm90 with Triton 3.6's ptxas
 (triton-lang/triton#11111, reproduced here).  Under the interpreter, whose bf16 dot and float
@@ -240,6 +243,32 @@ class GemmOut(NamedTuple):
 
 # Per-dtype launch configurations for sm90: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
 # The benchmark (benchmarks/bench_mlp.py --sweep) times alternatives; edit here from its numbers.
+@triton.jit
+def _relu2_epilogue_kernel(
+    acc_ptr, aux_ptr, out_ptr, q_ptr, qt_ptr, amax_ptr,
+    a_scale_ptr, b_scale_ptr, aux_scale_ptr, q_scale_ptr,
+    M, N,
+    FORWARD: tl.constexpr, AB_SCALED: tl.constexpr, AUX_SCALED: tl.constexpr,
+    STORE_OUT: tl.constexpr, STORE_Q: tl.constexpr, STORE_QT: tl.constexpr, Q_MAX: tl.constexpr,
+    Q_E5M2: tl.constexpr, EXACT_CASTS: tl.constexpr,
+    O_MANT: tl.constexpr, O_EMIN: tl.constexpr, O_SUB_C: tl.constexpr, O_MIN_NORMAL: tl.constexpr,
+    Q_MANT: tl.constexpr, Q_EMIN: tl.constexpr, Q_SUB_C: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The ``split`` path's second half: the GEMM's (M, N) output (already scaled, 16-bit) through
+    the same epilogue as the fused kernel, one tile per program (bandwidth-bound)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    acc = tl.load(acc_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    _epilogue(
+        acc, offs_m, offs_n, M, N, aux_ptr, out_ptr, q_ptr, qt_ptr, amax_ptr,
+        a_scale_ptr, b_scale_ptr, aux_scale_ptr, q_scale_ptr,
+        FORWARD, AB_SCALED, AUX_SCALED, STORE_OUT, STORE_Q, STORE_QT, Q_MAX, Q_E5M2, EXACT_CASTS,
+        O_MANT, O_EMIN, O_SUB_C, O_MIN_NORMAL, Q_MANT, Q_EMIN, Q_SUB_C, Q_MIN_NORMAL,
+    )
+
+
 GPU_CONFIGS = {
     "bf16": (128, 256, 64, 8, 8, 3),
     "fp8": (128, 256, 128, 8, 8, 3),
@@ -254,6 +283,12 @@ TMA_CONFIGS = {
 }
 USE_TMA = True
 TMA_FLATTEN = True
+# How relu2_gemm runs by default: "fused" (one Triton GEMM with the ReLU² epilogue) or "split"
+# (the GEMM through cuBLAS with a 16-bit output, then the epilogue as a bandwidth-bound Triton
+# pass: 2 extra passes over an (M, N) bf16 tensor for cuBLAS's faster mainloop).  See
+# docs/perf-notes.md for which wins at the record's shapes.
+GEMM_IMPL = "fused"
+EPILOGUE_CONFIG = (64, 128, 8)  # BLOCK_M, BLOCK_N, num_warps of the split path's epilogue pass
 
 
 def _use_tma(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -330,6 +365,7 @@ def relu2_gemm(
     out: torch.Tensor | None = None,
     out_q: torch.Tensor | None = None,
     out_qt: torch.Tensor | None = None,
+    impl: str | None = None,
 ) -> GemmOut:
     """Fused ``acc = a @ bᵀ`` (fp32 accumulate) with a ReLU² epilogue (Triton).
 
@@ -343,10 +379,16 @@ def relu2_gemm(
         q_dtype, q_scale: also write ``clamp(v / q_scale, ±FMAX)`` as FP8 (M, N), and max-accumulate
             ``max|v|`` into ``amax``; ``emit_transposed`` adds the (N, M) layout from the same tile.
         out, out_q, out_qt, amax: optional preallocated outputs.
+        impl: "fused" (one Triton kernel) or "split" (cuBLAS GEMM to a bf16 (M, N) temporary,
+            then the epilogue in Triton; the accumulator is rounded to bf16 before the epilogue);
+            None = the module default :data:`GEMM_IMPL`.
 
     K and N must be multiples of 16 (M is free).  Returns :class:`GemmOut`.
     """
     _check_gemm_args(a, b, aux, aux_scale, a_scale, b_scale, q_dtype, q_scale, store_out, emit_transposed, amax)
+    impl = GEMM_IMPL if impl is None else impl
+    if impl not in ("fused", "split"):
+        raise ValueError(f"relu2_gemm: impl must be 'fused' or 'split', got {impl!r}")
     if not triton_usable(a):
         return relu2_gemm_reference(
             a, b, aux=aux, aux_scale=aux_scale, a_scale=a_scale, b_scale=b_scale, store_out=store_out,
@@ -357,7 +399,6 @@ def relu2_gemm(
     M, K = a.shape
     N = b.shape[0]
     fp8 = a.dtype in _FP8
-    bm, bn, bk, gm, warps, stages = _INTERP_CONFIG if interpreting() else GPU_CONFIGS["fp8" if fp8 else "bf16"]
     dummy = a  # placeholder for pointers a constexpr branch never touches
     common = dict(
         FORWARD=aux is None, AB_SCALED=a_scale is not None, AUX_SCALED=aux is not None and aux.dtype in _FP8,
@@ -378,6 +419,18 @@ def relu2_gemm(
         aux_scale if aux_scale is not None else dummy,
         q_scale if q_scale is not None else dummy,
     )
+    if impl == "split":
+        # cuBLAS: FP8 wants a row-major and b column-major (b.t() of a row-major (N, K) b).
+        if fp8:
+            acc = scaled_mm(a.contiguous(), b.contiguous().t(), a_scale, b_scale, out_dtype=torch.bfloat16,
+                            use_fast_accum=True)
+        else:
+            acc = a @ b.t()
+        bm, bn, warps = (32, 64, 1) if interpreting() else EPILOGUE_CONFIG
+        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+        _relu2_epilogue_kernel[grid](acc, *ptrs, M, N, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                                     **{**common, "AB_SCALED": False})
+        return GemmOut(out, out_q, out_qt, amax)
     if _use_tma(a, b):
         key = "fp8" if fp8 else "bf16"
         bm, bn, bk, gm, warps, stages = TMA_CONFIGS.get(key + "_fwd" if aux is None else key, TMA_CONFIGS[key])

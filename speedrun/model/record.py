@@ -47,6 +47,7 @@ attributes with the signatures of :func:`record_parts.softcapped_mtp_ce`,
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 
@@ -611,11 +612,15 @@ class RecordGPT(nn.Module):
                                      "refresh_fp8_weights() once per optimizer update")
         return self._qkv_fp8[j]
 
-    def _attend(self, q, k, v, cu_seqlens, max_seqlen, window):
-        fn = self._backends.get(q.device)
+    def _backend(self, device: torch.device):
+        fn = self._backends.get(device)
         if fn is None:
-            fn = get_backend(self.cfg.attention_backend, q.device)
-            self._backends[q.device] = fn
+            fn = get_backend(self.cfg.attention_backend, device)
+            self._backends[device] = fn
+        return fn
+
+    def _attend(self, q, k, v, cu_seqlens, max_seqlen, window):
+        fn = self._backend(q.device)
         return fn(q, k, v, cu_seqlens, max_seqlen, window=window, scale=self.yarn.attn_scale)
 
     def _attention(self, i, h, aux_v, gates, cu_seqlens, max_seqlen, args: ForwardArgs):
@@ -628,11 +633,15 @@ class RecordGPT(nn.Module):
         long = i in a.long_window_layers
         window = args.window_long if long else args.window_short
         if self.cfg.qkv_path != "reference":
-            q, k, v = self._packed_qkv(h, j, sa[0], aux_v, paired, long and a.key_offset and not paired)
+            # QK-prep writes Q/K at the backend's width when the backend would pad them anyway.
+            padded = dqk < dv and getattr(self._backend(h.device), "pads_qk_to_v", False)
+            q, k, v = self._packed_qkv(h, j, sa[0], aux_v, paired, long and a.key_offset and not paired, padded)
             if paired:
                 y = self._attend(q, k, v, 2 * cu_seqlens, 2 * max_seqlen, window).reshape(T, H, dv)
             else:
                 y = self._attend(q, k, v, cu_seqlens, max_seqlen, window)
+            if padded:  # the DC correction reads the real Dqk columns (views, no copy)
+                q, k = q[..., :dqk], k[..., :dqk]
             return self._attention_out(i, j, y, q, k, v, sa, gates, cu_seqlens, paired)
         w_qk = self.qk_bank[j * H : (j + 1) * H].reshape(2 * H * dqk, -1)
         w = torch.cat((w_qk, self.vo_bank[2 * j])).type_as(h) * sa[0]
@@ -673,11 +682,12 @@ class RecordGPT(nn.Module):
             y = y * gates["attn"][i].type_as(y)[..., None]
         return F.linear(y.reshape(T, H * dv), self.vo_bank[2 * j + 1].type_as(y) * sa[1])
 
-    def _packed_qkv(self, h, j, sa0, aux_v, paired: bool, key_offset: bool):
+    def _packed_qkv(self, h, j, sa0, aux_v, paired: bool, key_offset: bool, padded: bool = False):
         """The candidate's projection: one packed [q|k|v]-per-head GEMM (FP8 with ``qkv_path=fused_fp8``)
         read straight from the banks, then the fused QK-prep kernel (norm, RoPE, key offset, layout).
-        Returns q, k (T, H, Dqk) and v (T, H, Dv), or (2T, H/2, D) views on paired layers.  The
-        FP8 GEMM and QK-prep each run as one opaque op (:mod:`speedrun.kernels.opaque`)."""
+        Returns q, k (T, H, Dqk) and v (T, H, Dv), or (2T, H/2, D) views on paired layers; with
+        ``padded`` q and k are (T, H, Dv) with zero columns past Dqk.  The FP8 GEMM and QK-prep
+        each run as one opaque op (:mod:`speedrun.kernels.opaque`)."""
         from speedrun.kernels import opaque
         from speedrun.kernels.qk_prep import qk_prep_reference
         from speedrun.kernels.qkv_pack import packed_qkv_linear_reference
@@ -693,9 +703,9 @@ class RecordGPT(nn.Module):
         aux = None if aux_v is None else aux_v.type_as(qkv)
         if not (h.is_cuda or self._triton_on_cpu):
             return qk_prep_reference(qkv, cos, sin, num_heads=H, qk_dim=dqk, v_dim=dv, paired=paired,
-                                     key_offset=key_offset, aux_v=aux)
+                                     key_offset=key_offset, aux_v=aux, pad_to=dv if padded else None)
         ins = [qkv, cos, sin] + ([] if aux is None else [aux])
-        q, k, v = opaque.call(self._kernel_handles[("qk_prep", j, aux is not None)], ins)
+        q, k, v = opaque.call(self._kernel_handles[("qk_prep", j, aux is not None, padded)], ins)
         return q, k, v
 
     def _register_qkv_kernels(self) -> None:
@@ -723,21 +733,24 @@ class RecordGPT(nn.Module):
                 out_specs=lambda ts: [((ts[0].shape[0], H * (2 * dqk + dv)), ts[0].dtype)],
                 diff=(True, True, True, True),
             ))
-            for has_aux in (False, True):
-                def prep_forward(ctx, ts, paired=paired, key_offset=key_offset):
+            for has_aux, padded in itertools.product((False, True), (False, True) if dqk < dv else (False,)):
+                pad_to = dv if padded else None
+
+                def prep_forward(ctx, ts, paired=paired, key_offset=key_offset, pad_to=pad_to):
                     return list(qk_prep_forward(ctx, ts[0], ts[1], ts[2], num_heads=H, qk_dim=dqk, v_dim=dv,
-                                                paired=paired, key_offset=key_offset,
+                                                paired=paired, key_offset=key_offset, pad_to=pad_to,
                                                 aux_v=ts[3] if len(ts) > 3 else None))
 
                 def prep_backward(ctx, gs, has_aux=has_aux):
                     dqkv, daux = qk_prep_backward(ctx, *gs)
                     return [dqkv, daux] if has_aux else [dqkv]
 
-                self._kernel_handles[("qk_prep", j, has_aux)] = opaque.register(opaque.OpaqueKernel(
-                    name=f"qk_prep[attention {j}{', value residual' if has_aux else ''}]",
+                self._kernel_handles[("qk_prep", j, has_aux, padded)] = opaque.register(opaque.OpaqueKernel(
+                    name=f"qk_prep[attention {j}{', value residual' if has_aux else ''}{', padded' if padded else ''}]",
                     forward=prep_forward, backward=prep_backward,
-                    out_specs=lambda ts, paired=paired: [
-                        (shape, ts[0].dtype) for shape in qk_prep_out_shapes(ts[0].shape[0], H, dqk, dv, paired=paired)],
+                    out_specs=lambda ts, paired=paired, pad_to=pad_to: [
+                        (shape, ts[0].dtype)
+                        for shape in qk_prep_out_shapes(ts[0].shape[0], H, dqk, dv, paired=paired, pad_to=pad_to)],
                     diff=(True, False, False, True) if has_aux else (True, False, False),
                 ))
 

@@ -49,13 +49,15 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = old
 
 
-@pytest.fixture(params=[True, False], ids=["tma", "pointer"])
+@pytest.fixture(params=["tma", "pointer", "split"])
 def kernel_kind(request):
-    """Run a test with the TMA persistent GEMM and with the pointer GEMM."""
-    old = mlp_module.USE_TMA
-    mlp_module.USE_TMA = request.param
+    """Run a test with the TMA persistent GEMM, the pointer GEMM and the split path (cuBLAS GEMM,
+    then the epilogue pass)."""
+    old = mlp_module.USE_TMA, mlp_module.GEMM_IMPL
+    mlp_module.USE_TMA = request.param == "tma"
+    mlp_module.GEMM_IMPL = "split" if request.param == "split" else "fused"
     yield request.param
-    mlp_module.USE_TMA = old
+    mlp_module.USE_TMA, mlp_module.GEMM_IMPL = old
 
 
 def _poison(*shape, dtype):
