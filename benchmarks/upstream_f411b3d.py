@@ -8,7 +8,7 @@ as ``upstream_<name>``), applies small textual patches whose anchors must each m
 and writes the result plus our ``fa3_shim.py`` into ``--out`` (a scratch folder outside the repo,
 or an ignored one).  Model, optimizer, kernels and compile settings are left as upstream has them.
 
-Patches (all in train_gpt.py; the two kernel files are copied unchanged):
+Patches (in train_gpt.py, plus one in triton_kernels.py; dc_triton_kernels.py is copied unchanged):
 
 * FA3 from the kernels hub -> ``fa3_shim`` (torch ``varlen_attn``; FA3's window is in tokens, as is
   torch's, so ``window_size=(bm_size, 0)`` passes through unchanged);
@@ -21,7 +21,12 @@ Patches (all in train_gpt.py; the two kernel files are copied unchanged):
   overflows on webmix (up to 88 / 154 / 211 entries needed), so it becomes 256 for each
   training shape (what our runs use: ``train.max_docs=256``), and the validation fallback
   ``T // 300`` becomes ``T // 200`` (896 -> 1408 entries for 262,144 tokens; webmix val needs 886);
-* ``nvidia-smi`` missing no longer kills the run (it is only logged).
+* ``nvidia-smi`` missing no longer kills the run (it is only logged);
+* triton_kernels.py: the FP8 MLP down projection's two scale tensors are cloned before
+  ``torch._scaled_mm``: upstream passes views into per-layer scale buffers (``scales[i:i+1]``),
+  which are not 16-byte aligned for most layers, and torch 2.11's cuBLASLt refuses those with
+  CUBLAS_STATUS_NOT_SUPPORTED (the failure of the first attempt, docs/perf-notes.md; our own FP8
+  cache keeps one 16-byte slot per scale for the same reason).  Cost: two 4-byte copies per layer.
 
 Not patched, because they already work on one GPU under torchrun: world size 1 gives 8
 gradient-accumulation micro-batches of the same per-GPU shape as 8 GPUs; the optimizer switches
@@ -187,6 +192,26 @@ def train_patches(opts: BenchOptions) -> list[Patch]:
     return patches
 
 
+def kernel_patches() -> list[Patch]:
+    """The patches for upstream's triton_kernels.py."""
+    why = ("torch 2.11's cuBLASLt refuses FP8 scale pointers that are not 16-byte aligned "
+           "(CUBLAS_STATUS_NOT_SUPPORTED); upstream passes per-layer views (scales[i:i+1]) into one buffer")
+    return [
+        Patch("aligned-act-scale", "                scale_a=activation_scale,\n",
+              f"                scale_a=activation_scale.clone(),  {TAG} upstream activation_scale (unaligned view)\n", why),
+        Patch("aligned-w2-scale", "                scale_b=W2_scale,\n",
+              f"                scale_b=W2_scale.clone(),  {TAG} upstream W2_scale (unaligned view)\n", why),
+    ]
+
+
+def patch_kernels(text: str) -> tuple[str, list[Patch]]:
+    """Patched triton_kernels.py text and the patches applied."""
+    patches = kernel_patches()
+    out = apply_patches(text, patches, "triton_kernels.py")
+    compile(out, "triton_kernels.py", "exec")
+    return out, patches
+
+
 def apply_patches(text: str, patches: list[Patch], filename: str) -> str:
     """Apply each patch in turn; raise :class:`PatchError` naming the first anchor not found exactly once."""
     for p in patches:
@@ -242,10 +267,14 @@ def find_sources(src: Path) -> dict[str, Path]:
 def write_outdir(sources: dict[str, Path], out: Path, opts: BenchOptions) -> list[Patch]:
     """Write the patched train_gpt.py, the two kernel files, fa3_shim.py and bench_config.json."""
     train, patches = patch_train(sources["train_gpt.py"].read_text(), opts)
+    kernels, kpatches = patch_kernels(sources["triton_kernels.py"].read_text())
+    patches = patches + kpatches
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_gpt.py").write_text(train)
+    (out / "triton_kernels.py").write_text(kernels)
     for name in UPSTREAM_FILES[1:]:
-        shutil.copyfile(sources[name], out / name)
+        if name != "triton_kernels.py":
+            shutil.copyfile(sources[name], out / name)
     shutil.copyfile(SHIM, out / SHIM.name)
     config = {
         "upstream_commit": UPSTREAM_COMMIT,

@@ -62,6 +62,15 @@ def test_patches_apply_to_their_anchors():
     assert "itertools.cycle(files)" in out and "get_kernel" not in out
 
 
+def test_kernel_patch_clones_the_down_projection_scales():
+    text = "x3 = torch._scaled_mm(\n    post_f8,\n" + "".join(p.anchor for p in up.kernel_patches()) + ")\n"
+    out, patches = up.patch_kernels(text)
+    assert "scale_a=activation_scale.clone()," in out and "scale_b=W2_scale.clone()," in out
+    assert [p.name for p in patches] == ["aligned-act-scale", "aligned-w2-scale"]
+    with pytest.raises(up.PatchError, match=r"triton_kernels.py \[aligned-act-scale\]: anchor not found"):
+        up.patch_kernels(text.replace("scale_a=activation_scale", "scale_a=s"))
+
+
 def test_bad_options_fail_before_any_gpu_time():
     for bad in (dict(val_tokens=1_000_000), dict(extension=1), dict(scheduled=6), dict(max_docs={16384: 256})):
         with pytest.raises(up.PatchError):
@@ -97,6 +106,7 @@ def test_real_upstream_patches_cleanly(upstream_src, tmp_path):
     py_compile.compile(str(out / "train_gpt.py"), doraise=True)
     text = (out / "train_gpt.py").read_text()
     assert "import fa3_shim" in text and "flash_attn_interface = fa3_shim" in text
+    assert "scale_a=activation_scale.clone()" in (out / "triton_kernels.py").read_text()
 
 
 # ---- FA3 shim ------------------------------------------------------------------------------

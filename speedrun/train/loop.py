@@ -141,14 +141,18 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype) -> t
 
 
 @torch.no_grad()
-def evaluate(model, val_files, cfg: RunConfig, info, dtype, per_rank: int, args: ForwardArgs = ForwardArgs()) -> float:
-    """Mean next-token cross entropy (nats) over ``val_tokens`` tokens of the validation shards."""
+def evaluate(model, val_files, cfg: RunConfig, info, dtype, per_rank: int, args: ForwardArgs = ForwardArgs(),
+             max_batches: int | None = None) -> float:
+    """Mean next-token cross entropy (nats) over ``val_tokens`` tokens of the validation shards
+    (over the first ``max_batches`` batches only when given: the warmup's compile pass)."""
     from speedrun.data import ValLoader
 
     num = (cfg.train.val_tokens // (per_rank * info.world_size)) * per_rank * info.world_size
     if num == 0:
         raise ConfigError(f"train.val_tokens={cfg.train.val_tokens} is smaller than one validation batch "
                           f"({per_rank} tokens x {info.world_size} ranks)")
+    if max_batches is not None:
+        num = min(num, max_batches * per_rank * info.world_size)
     loader = ValLoader(val_files, num, per_rank, rank=info.rank, world_size=info.world_size,
                        bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size, device=info.device,
                        bigram_mod=getattr(model, "bigram_mod", None))
@@ -166,6 +170,22 @@ def evaluate(model, val_files, cfg: RunConfig, info, dtype, per_rank: int, args:
     if info.enabled:
         torch.distributed.all_reduce(stats)
     return (stats[0] / stats[1]).item()
+
+
+def _validation_variants(recipe, total_steps: int, val_every: int) -> dict[int, list[ForwardArgs]]:
+    """Stage index -> the distinct evaluation arguments of the validations a run makes while the
+    model is in that stage's state (a validation at step v follows training step v - 1).
+
+    Compiled evaluation specialises on the windows and on the YaRN state, so the warmup runs each
+    of these once; otherwise a mid-run or final validation recompiles (tens of seconds on a GPU)."""
+    steps = sorted({*range(0, total_steps, val_every), total_steps} if val_every > 0 else {total_steps})
+    out: dict[int, list[ForwardArgs]] = {}
+    for v in steps:
+        si = recipe.stage_index(max(v - 1, 0))
+        args = recipe.eval_args(v, final=v == total_steps)
+        if args not in out.setdefault(si, []):
+            out[si].append(args)
+    return out
 
 
 def compile_model(model, cfg: RunConfig):
@@ -310,13 +330,16 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         warmup_t0 = time.perf_counter()
         model_state = copy.deepcopy(model.state_dict())
         opt_state = copy.deepcopy(optimizer.state_dict())
+        eval_variants = _validation_variants(recipe, cfg.train.steps, cfg.train.val_every)
         for si, stage in enumerate(stages):
             loader = make_loader(si)
             recipe.sync_to(stage.start_step)
             for i in range(cfg.train.warmup_steps):
                 run_step(run_model, recipe, loader, stage.start_step + i, cfg, info, dtype)
             loader.close()
-        evaluate(run_model, val_files, cfg, info, dtype, max(per_rank), recipe.eval_args(0, final=False))
+            # Every validation the run will make, with this stage's model state (YaRN), on one batch.
+            for args in eval_variants.get(si, []):
+                evaluate(run_model, val_files, cfg, info, dtype, max(per_rank), args, max_batches=1)
         model.load_state_dict(model_state)
         optimizer.load_state_dict(opt_state)
         optimizer.zero_grad()
