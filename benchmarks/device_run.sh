@@ -68,11 +68,13 @@ for part in $parts; do
       done ;;
     abloss)
       # AB_SEEDS: a count (0..N-1) or a list "2,3"; AB_ARMS: space-separated NAME=PRESET[:overrides]
-      # (default "base=record cand=candidate"; e.g. add "bf16=candidate:model.qkv_path=fused,model.kernels=fp8"
+      # (default: the candidate gets its 30 extra extension steps, as in the record configuration
+      # (1315 vs 1285 steps); e.g. add "bf16=candidate:model.qkv_path=fused,model.kernels=fp8,..."
       # to separate the FP8 effects from the 96-wide Q/K).  Eager runs are launch-bound (~0.7 s/step
       # at any batch): ~150 s per run with the two full validations.
-      log "loss A/B: ${AB_ARMS:-base=record cand=candidate}, seeds ${AB_SEEDS:-3}, eager, batch/4, 105 + 30 steps"
-      arms=""; for a in ${AB_ARMS:-base=record cand=candidate}; do arms="$arms --arm $a"; done
+      AB_ARMS=${AB_ARMS:-base=record cand=candidate:train.steps=165,train.num_extension=60}
+      log "loss A/B: $AB_ARMS, seeds ${AB_SEEDS:-3}, eager, batch/4, 105 scheduled steps"
+      arms=""; for a in $AB_ARMS; do arms="$arms --arm $a"; done
       timeout "$(left 580)" python3 -m speedrun compare $arms \
         --seeds "${AB_SEEDS:-3}" --out /tmp/ab --quiet --no-measure --set train.compile=false \
         --set train.batch_divisor=4 --set train.steps=135 --set train.num_extension=30 \
