@@ -62,7 +62,7 @@ for part in $parts; do
     profile)
       for arm in ${PROFILE_ARMS:-record candidate}; do
         log "profile $arm at stage-3 shapes (stage index 2), 2 steps"
-        timeout "$(left 300)" python3 -m speedrun profile --arm "$arm" --stage 2 --steps 2 --warmup 2 \
+        timeout "$(left 300)" python3 -m speedrun profile --arm "$arm" --stage 2 --steps 2 --warmup 2 --stacks \
           --set train.max_docs=256 --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --out "/tmp/prof_$arm" --top 25 2>&1 | tail -45
         cp "/tmp/prof_$arm/profile.md" "$OUT/profile_$arm.md" 2>/dev/null
       done ;;

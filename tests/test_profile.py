@@ -245,3 +245,25 @@ def test_profile_ncu_on_gpu(tmp_path):
     assert report.ncu and any(r["dram_read_bytes"] > 0 for r in report.ncu.values())
     md = prof.render_markdown(report)
     assert "measured vs needed" in md
+
+
+def test_call_site_names_our_line_or_the_compiled_graph():
+    from speedrun.evidence.profile import call_site
+
+    stack = ["/usr/lib/python3/site-packages/torch/nn/functional.py(2100): linear",
+             "/work/x/speedrun/model/record.py(624): _attend", "/work/x/speedrun/train/loop.py(133): run_step"]
+    assert call_site(stack) == "speedrun/model/record.py:624 _attend"
+    assert call_site(["/tmp/torchinductor_root/ab/cabc.py(88): call", "/work/x/speedrun/model/record.py(9): f"]) \
+        == "<compiled graph> cabc.py:88 call"
+    assert call_site(["/usr/lib/python3/threading.py(1): run"]) is None and call_site(None) is None
+
+
+def test_profile_stacks_name_the_calling_line(tmp_path, capsys):
+    out = tmp_path / "prof"
+    args = ["profile", "--arm", "t=tiny", "--steps", "1", "--warmup", "1", "--out", str(out), "--stacks",
+            "--peak-tflops", "0.2", "--peak-tbps", "0.05"] + [x for s in SMALL for x in ("--set", s)]
+    assert main(args) == 0
+    assert "Called from" in (out / "profile.md").read_text()
+    rep = json.loads((out / "profile.json").read_text())
+    sites = {site for r in rep["ops"] if r["op"] == "aten::mm" for site in r["sources"]}
+    assert any(site.startswith("speedrun/") for site in sites), sites

@@ -235,6 +235,8 @@ def _add_profile(sub) -> None:
     p.add_argument("--peak-tbps", type=float, help="memory ceiling in TB/s (instead of measuring)")
     p.add_argument("--no-measure", action="store_true", help="do not measure ceilings on the GPU")
     p.add_argument("--ncu", action="store_true", help="also measure DRAM bytes per kernel with Nsight Compute")
+    p.add_argument("--stacks", action="store_true",
+                   help="record Python stacks: name the source line behind each op row (slower profiling)")
     p.add_argument("--top", type=int, default=30, help="rows per table on screen (default 30)")
     p.add_argument("--device", help="cpu, cuda or auto (sets train.device)")
     _arm_common(p)

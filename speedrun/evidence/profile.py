@@ -232,6 +232,11 @@ class OpGroup:
     kernels: dict = field(default_factory=dict)  # kernel name -> µs
     cost: OpCost | None = None
     floor_us: float | None = None
+    sources: dict = field(default_factory=dict)  # call site (with --stacks) -> calls
+
+    def main_source(self) -> str | None:
+        """The call site of most of this group's calls (None without stacks)."""
+        return max(self.sources, key=self.sources.get) if self.sources else None
 
     @property
     def recoverable_us(self) -> float | None:
@@ -256,6 +261,37 @@ def _is_annotation(evt) -> bool:
             or evt.name.startswith("## "))
 
 
+_FRAME = re.compile(r"^(?P<file>.+?)\((?P<line>\d+)\): (?P<func>.+)$")
+
+
+def _python_frames(evt) -> list[str]:
+    """The Python frames around an op, innermost first: with ``with_stack`` the profiler records
+    each Python call as an event named ``"path(line): func"``, parent of the ops it ran."""
+    frames, parent = [], getattr(evt, "cpu_parent", None)
+    while parent is not None:
+        if _FRAME.match(parent.name):
+            frames.append(parent.name)
+        parent = parent.cpu_parent
+    return frames
+
+
+def call_site(stack: Sequence[str] | None) -> str | None:
+    """The innermost frame of a Python stack (innermost first, ``"path(line): func"``) that is
+    ours or an Inductor-generated graph, as ``"speedrun/model/record.py:624 _attend"`` or
+    ``"<compiled graph> abc123.py:88 call"``; None when no frame qualifies."""
+    for frame in stack or ():
+        m = _FRAME.match(frame.strip())
+        if not m:
+            continue
+        path = "/" + m["file"].replace("\\", "/").lstrip("/")  # the profiler may shorten paths
+        if "/speedrun/" in path and "/site-packages/torch" not in path:
+            rel = path[path.rindex("/speedrun/") + 1:]
+            return f"{rel}:{m['line']} {m['func']}"
+        if "torchinductor" in path:
+            return f"<compiled graph> {path.rsplit('/', 1)[-1]}:{m['line']} {m['func']}"
+    return None
+
+
 def group_events(events: Iterable, device: str, default_dtype: str, ceilings: Ceilings) -> list[OpGroup]:
     """Group profiler FunctionEvents into OpGroups.
 
@@ -265,7 +301,8 @@ def group_events(events: Iterable, device: str, default_dtype: str, ceilings: Ce
 
     groups: dict[tuple, OpGroup] = {}
     for evt in events:
-        if evt.device_type != DeviceType.CPU or getattr(evt, "is_async", False) or _is_annotation(evt):
+        if (evt.device_type != DeviceType.CPU or getattr(evt, "is_async", False) or _is_annotation(evt)
+                or _FRAME.match(evt.name) or evt.name.startswith("<built-in")):  # with_stack's Python calls
             continue
         if device == "cuda":
             kernels = [(k.name, float(k.duration)) for k in evt.kernels]
@@ -288,6 +325,9 @@ def group_events(events: Iterable, device: str, default_dtype: str, ceilings: Ce
                 g.cost = None
         g.calls += 1
         g.time_us += t
+        site = call_site(getattr(evt, "stack", None) or _python_frames(evt))
+        if site is not None:
+            g.sources[site] = g.sources.get(site, 0) + 1
         for kname, d in kernels:
             g.kernels[kname] = g.kernels.get(kname, 0.0) + d
     for g in groups.values():
@@ -464,7 +504,7 @@ class ProfileReport:
                          "flops": g.cost.flops * g.calls if g.cost else None,
                          "bytes": g.cost.bytes * g.calls if g.cost else None,
                          "achieved_tflops": tf, "achieved_tbps": tb, "floor_us": g.floor_us,
-                         "recoverable_us": g.recoverable_us, "kernels": g.kernels})
+                         "recoverable_us": g.recoverable_us, "kernels": g.kernels, "sources": g.sources})
         return {"arm": self.arm, "device": self.device, "steps": self.steps, "ceilings": asdict(self.ceilings),
                 "total_us": self.total_us, "ops": rows, "kernels": self.kernels, "ncu": self.ncu,
                 "notes": self.notes}
@@ -478,11 +518,13 @@ def measure_ceilings(device) -> Ceilings:
 
 
 def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int = 3, warmup: int = 2,
-                  ceilings: Ceilings | None = None, measure: bool = True, ncu: bool = False) -> ProfileReport:
+                  ceilings: Ceilings | None = None, measure: bool = True, ncu: bool = False,
+                  stacks: bool = False) -> ProfileReport:
     """Profile ``steps`` optimizer steps of ``arm`` (an ArmSpec or ``NAME=PRESET[:overrides]``).
 
     Ceilings: ``ceilings`` if given, else measured on a GPU when ``measure``, else none (then no
     floors).  ``ncu``: also measure DRAM bytes per kernel under Nsight Compute (GPU only).
+    ``stacks``: record Python stacks, so each op group names the line that called it (slower).
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -516,7 +558,7 @@ def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
         if on_gpu:
             torch.cuda.synchronize(info.device)
-        with profile(activities=activities, record_shapes=True) as prof:
+        with profile(activities=activities, record_shapes=True, with_stack=stacks) as prof:
             for _ in range(steps):
                 session.step()
             if on_gpu:
@@ -595,6 +637,11 @@ def render_markdown(report: ProfileReport, roofline_png: str | None = None, top:
             f"| {_fmt(tf, '.3f')} | {_fmt(tb, '.3f')} | {pct} "
             f"| {_fmt(None if g.floor_us is None else per(g.floor_us), '.4f')} "
             f"| {_fmt(None if g.recoverable_us is None else per(g.recoverable_us), '.4f')} |")
+    if any(g.sources for g in modeled):
+        lines += ["", "Called from (the line behind most calls of each row above):", "",
+                  "| op | shapes | ms/step | call site |", "| --- | --- | ---: | --- |"]
+        for g in modeled[:top]:
+            lines.append(f"| {g.name} | {_shape_str(g)} | {per(g.time_us):.4f} | {g.main_source() or '-'} |")
     rec = [g.recoverable_us for g in modeled if g.recoverable_us is not None]
     known = sum(g.time_us for g in modeled)
     lines += ["", f"Known ops: {per(known):.3f} ms/step"
@@ -709,7 +756,7 @@ def cli_profile(args) -> int:
         raise ConfigError("give both --peak-tflops and --peak-tbps, or neither")
     ceilings = Ceilings(*given, "given") if given[0] is not None else None
     report = profile_steps(arm, common=common, stage=args.stage, steps=args.steps, warmup=args.warmup,
-                           ceilings=ceilings, measure=not args.no_measure, ncu=args.ncu)
+                           ceilings=ceilings, measure=not args.no_measure, ncu=args.ncu, stacks=args.stacks)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     paths = write_profile(report, args.out or f"profile-{arm.name}")
