@@ -110,6 +110,8 @@ def test_compare_cli(tmp_path, capsys):
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "2/2 runs done" in text and "README.md" in text
+    # --quiet silences the trainings, not the plan: the seeds are on screen before any run.
+    assert "arms base x seeds [3, 5] = 2 runs" in text and "starting run 2/2: arm base seed 5" in text
     m = json.loads((out / MANIFEST).read_text())
     assert m["seeds"] == [3, 5] and m["fingerprints"][0]["matmul_bf16_tflops"] is None
     assert main(args[:3] + ["--seeds", "x"] + args[5:]) == 2

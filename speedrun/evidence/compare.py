@@ -263,6 +263,9 @@ def _run_compare(arms, out_dir, seeds, base_seed, common, target, reference_time
         else:
             manifest["events"].append(f"{_now()} restarted")
         write_json_atomic(path, manifest)
+        done = sum(e["status"] == "done" for e in manifest["plan"])
+        print(f"compare: arms {', '.join(configs)} x seeds {seed_list} = {len(manifest['plan'])} runs, "
+              f"interleaved; {done} done already; records in {out}", flush=True)
 
     finished_here = 0
     while True:
@@ -282,7 +285,7 @@ def _run_compare(arms, out_dir, seeds, base_seed, common, target, reference_time
         cfg.out_dir = str(out / "runs")
         cfg.name = entry_arm
         killing = stop_after_runs is not None and kill_at_step is not None and finished_here >= stop_after_runs
-        if console and info.is_main:
+        if info.is_main:  # compare's own progress, also under --quiet (which silences the trainings)
             verb = "resuming" if action["resume"] else "starting"
             print(f"compare: {verb} run {action['index'] + 1}/{len(manifest['plan'])}: arm {entry_arm} "
                   f"seed {entry_seed} in {action['run_dir']}", flush=True)
