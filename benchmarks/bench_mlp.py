@@ -132,6 +132,10 @@ def main(argv=None) -> int:
     rec("fp8", "quantize x e4m3 both layouts (amax + kernel)", lambda: quantize_current(x), nbytes=act_bytes)
     rec("fp8", "quantize g e5m2 both layouts (amax + kernel)", lambda: quantize_current(g, fp8_dtype=E5M2), nbytes=act_bytes)
     rec("fp8", "quantize kernel alone, x both layouts", lambda: quantize_dual_layout(x, xs), nbytes=act_bytes)
+    from speedrun.kernels.fp8_cache import abs_max, abs_max_reference
+
+    rec("fp8", "amax of x: torch linalg.vector_norm(inf)", lambda: abs_max_reference(x), nbytes=T * D * 2)
+    rec("fp8", "amax of x: triton abs_max", lambda: abs_max(x), nbytes=T * D * 2)
     rec("fp8", "up fp8: bf16 post + e4m3 post (fp8_fwd)",
         lambda: M.relu2_gemm(xq, w1q, a_scale=xs, b_scale=w1s, q_dtype=E4M3, q_scale=ps, amax=amax), gemm_flop)
     t_up_q = rec("fp8", "up fp8: e4m3 post row-major only",

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from speedrun.kernels.fp8_cache import (
+    abs_max,
+    abs_max_reference,
     E4M3,
     E5M2,
     FP8_MAX,
@@ -214,3 +216,28 @@ def test_every_fp8_code_and_every_tie_rounds_like_torch(fp8_dtype):
     q, qt, _ = quantize_dual_layout(w, one, fp8_dtype=fp8_dtype)
     rq, rqt, _ = quantize_dual_layout_reference(w, one, fp8_dtype=fp8_dtype)
     assert torch.equal(_bits(q), _bits(rq)) and torch.equal(_bits(qt), _bits(rqt))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [1, 1000, 5 * 1024 + 7])  # one element; ragged last block; several programs
+def test_abs_max_equals_the_reference_exactly(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g) * 3).to(dtype)
+    x[n // 2] = -17.25  # the largest magnitude is negative
+    want = abs_max_reference(x)
+    assert want == 17.25 and torch.equal(abs_max(x), want)
+    assert torch.equal(abs_max(x.view(1, -1)), want)
+    assert abs_max(torch.zeros(n, dtype=dtype)) == 0
+
+
+@needs_kernel
+def test_abs_max_special_values_and_fallbacks():
+    x = torch.randn(3000)
+    x[2999] = float("-inf")
+    assert abs_max(x) == float("inf")
+    x[5] = float("nan")  # NaN wins over inf, as in torch: a broken tensor must not look finite
+    assert abs_max(x).isnan()
+    y = torch.randn(64, 48).bfloat16()
+    assert torch.equal(abs_max(y.t()), abs_max_reference(y))  # non-contiguous: the reference path
+    assert abs_max(torch.empty(0)) == 0

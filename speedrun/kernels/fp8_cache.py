@@ -282,6 +282,55 @@ def _quantize(w, scale, fp8_dtype, *, transposed, out=None, out_t=None, amax=Non
     return out, out_t, amax
 
 
+@triton.jit
+def _abs_max_kernel(x_ptr, amax_ptr, n, step, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """max |x| over a flat tensor: grid-stride loop of ITERS blocks ``step`` = programs x BLOCK
+    apart, one atomic per program; NaN propagates.  ITERS is a constexpr because the CPU
+    interpreter cannot take a runtime loop bound (few values occur: one per tensor size)."""
+    pid = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    bad = tl.zeros((BLOCK,), dtype=tl.int32)
+    for i in range(0, ITERS):
+        offs = pid * BLOCK + i * step + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, tl.abs(x))
+        bad = tl.maximum(bad, (x != x).to(tl.int32))
+    m = tl.max(acc, axis=0)
+    m = tl.where(tl.max(bad, axis=0) > 0, float("nan"), m)
+    # Non-negative floats order like their bit patterns (NaN above inf), so the atomic is exact.
+    tl.atomic_max(amax_ptr, m)
+
+
+ABS_MAX_CONFIG = (4096, 8, 4)  # BLOCK elements per iteration, num_warps, programs per SM
+
+
+def abs_max(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` as a 0-d fp32 tensor (NaN if x holds one), read once at full bandwidth.
+
+    Triton grid-stride reduction on CUDA / under the interpreter for contiguous tensors below 2**31
+    elements, else :func:`abs_max_reference`.  Exact: the maximum does not depend on order."""
+    n = x.numel()
+    if not (triton_usable(x) and x.is_contiguous() and 0 < n < 2**31):
+        return abs_max_reference(x)
+    out = torch.zeros((), dtype=torch.float32, device=x.device)
+    block, warps, per_sm = (1024, 1, 0) if interpreting() else ABS_MAX_CONFIG
+    programs = triton.cdiv(n, block)
+    if x.is_cuda:
+        programs = min(programs, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
+    else:
+        programs = min(programs, 4)  # the interpreter pays per program
+    step = programs * block
+    _abs_max_kernel[(programs,)](x, out, n, step, BLOCK=block, ITERS=triton.cdiv(n, step), num_warps=warps)
+    return out
+
+
+def abs_max_reference(x: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`abs_max` (same signature): ``linalg.vector_norm(x, inf)`` in fp32."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return torch.linalg.vector_norm(x, ord=float("inf")).float()
+
+
 def quantize_current(
     x: torch.Tensor, *, fp8_dtype: torch.dtype = E4M3, transposed: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -291,8 +340,7 @@ def quantize_current(
     ``(x_fp8 (R, C), x_fp8_t (C, R) or None, s 0-d fp32)``.
     """
     _check_quant_args(x, _SCALAR_FP32, fp8_dtype, "quantize_current")
-    # One reduction pass, no |x| temporary (max is exact in any dtype).
-    amax = torch.linalg.vector_norm(x, ord=float("inf")).float()
+    amax = abs_max(x)
     scale = amax.clamp_min(AMAX_FLOOR) / FP8_MAX[fp8_dtype]
     q, qt, _ = _quantize(x, scale, fp8_dtype, transposed=transposed)
     return q, (qt if transposed else None), scale

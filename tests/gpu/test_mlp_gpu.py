@@ -193,3 +193,16 @@ def test_mlp_uses_per_layer_views_of_a_cached_bank():
     assert rel(y, relu2_mlp_reference(x, w1, w2)) < 8e-2
     for got, want in ((xk.grad, xs.grad), (w1k.grad, w1s.grad), (w2k.grad, w2s.grad)):
         assert rel(got, want) < 0.12
+
+
+@pytest.mark.parametrize("shape", [(49152, 768), (49152, 1920), (1000, 17)])
+def test_abs_max_exact_at_record_shapes(shape):
+    from speedrun.kernels.fp8_cache import abs_max, abs_max_reference
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(shape, device=DEV, generator=g).bfloat16()
+    x.view(-1)[x.numel() // 3] = -40.0
+    out = abs_max(x)
+    assert torch.equal(out, abs_max_reference(x)) and out == 40.0
+    x.view(-1)[7] = float("nan")
+    assert abs_max(x).isnan()
