@@ -35,6 +35,7 @@ VARIANTS = {
     "key_offset": (False, True, None, False),
     "key_offset_aux_pad": (False, True, DV, True),
     "pad": (False, False, 24, False),
+    "paired_aux_pad": (True, False, DV, True),  # the candidate's paired layers on varlen / FA3
 }
 
 

@@ -25,6 +25,7 @@ VARIANTS = {  # (paired, key_offset, pad_to, aux): the record's layer kinds
     "paired_aux": (True, False, None, True),
     "long_key_offset_aux": (False, True, None, True),
     "pad128": (False, True, 128, False),
+    "paired_aux_pad128": (True, False, 128, True),
 }
 
 
