@@ -292,11 +292,13 @@ def call_site(stack: Sequence[str] | None) -> str | None:
     return None
 
 
-def group_events(events: Iterable, device: str, default_dtype: str, ceilings: Ceilings) -> list[OpGroup]:
+def group_events(events: Iterable, device: str, default_dtype: str, ceilings: Ceilings,
+                 stacks: bool = False) -> list[OpGroup]:
     """Group profiler FunctionEvents into OpGroups.
 
     ``device`` "cuda": an op's time is the duration of the kernels it launched itself; "cpu": its
-    self CPU time.  Ops with zero time are dropped."""
+    self CPU time.  Ops with zero time are dropped.  ``stacks`` (a profile recorded
+    ``with_stack``): count each group's call sites."""
     from torch.autograd import DeviceType
 
     groups: dict[tuple, OpGroup] = {}
@@ -325,7 +327,7 @@ def group_events(events: Iterable, device: str, default_dtype: str, ceilings: Ce
                 g.cost = None
         g.calls += 1
         g.time_us += t
-        site = call_site(getattr(evt, "stack", None) or _python_frames(evt))
+        site = call_site(getattr(evt, "stack", None) or _python_frames(evt)) if stacks else None
         if site is not None:
             g.sources[site] = g.sources.get(site, 0) + 1
         for kname, d in kernels:
@@ -567,7 +569,7 @@ def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int
         session.close()
     events = prof.events()
     default_dtype = str(session.dtype).removeprefix("torch.")
-    groups = group_events(events, "cuda" if on_gpu else "cpu", default_dtype, ceilings)
+    groups = group_events(events, "cuda" if on_gpu else "cpu", default_dtype, ceilings, stacks=stacks)
     kernels = kernel_table(events) if on_gpu else []
     total = sum(k["time_us"] for k in kernels) if on_gpu else sum(g.time_us for g in groups)
     report = ProfileReport(spec.name, str(info.device), steps, ceilings, groups, kernels, total_us=total, notes=notes)

@@ -494,17 +494,15 @@ class FP8WeightCache:
     def state_dict(self) -> dict:
         """The delayed-scaling state (no FP8 data: that is rebuilt from the weights).
 
-        ``raw_scale`` is the scale each entry was quantised with, ``amax`` what that refresh
-        measured (the next scale's source), ``refreshes`` the count per name (bootstrap phase)."""
+        ``raw_scale`` is the scale each entry was quantised with, ``refreshes`` the count per name
+        (bootstrap phase).  The amax is not kept: re-quantising the same weights measures it again."""
         return {"version": self.version, "refreshes": dict(self._refreshes),
-                "raw_scale": {k: v.detach().clone() for k, v in self._raw_scale.items()},
-                "amax": {k: v.detach().clone() for k, v in self._amax.items()}}
+                "raw_scale": {k: v.detach().clone() for k, v in self._raw_scale.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s state; the next :meth:`refresh` (of the restored weights)
         re-quantises with the saved scales, so it rebuilds the very FP8 entries that were saved."""
         self._replay = {k: v.detach().clone() for k, v in state["raw_scale"].items()}
-        self._amax = {k: v.detach().clone() for k, v in state["amax"].items()}
         # The replaying refresh counts again and bumps the version back to the saved values.
         self._refreshes = {k: n - 1 for k, n in state["refreshes"].items()}
         self.version = state["version"] - 1

@@ -639,11 +639,8 @@ class _Relu2MLP(torch.autograd.Function):
         return dx, dw1, dw2, None, None, None, None
 
 
-def relu2_mlp_forward(ctx, x, w1, w2, *, mode: str, cache=None, scales: "MLPScaleState | None" = None) -> torch.Tensor:
-    """The forward half of :func:`relu2_mlp` for callers that run forward and backward themselves
-    (:mod:`speedrun.kernels.opaque`): same arguments, state for the backward kept on ``ctx`` (a
-    :class:`~speedrun.kernels.opaque.KernelCtx`).  Returns y (..., D)."""
-    lead = x.shape[:-1]
+def _mlp_inputs(x, w1, w2, mode, cache, scales):
+    """Checked (T, D) contiguous x, the FP8 weights (None in bf16 mode) and the scale state."""
     x2 = x.reshape(-1, x.shape[-1])
     _check_mlp_args(x2, w1, w2, mode, cache)
     c1 = c2 = None
@@ -651,9 +648,17 @@ def relu2_mlp_forward(ctx, x, w1, w2, *, mode: str, cache=None, scales: "MLPScal
         c1, c2 = _weights_fp8(w1, w2, cache)
         if scales is None:
             scales = MLPScaleState.create(x.device)
+    return x2.contiguous(), c1, c2, scales
+
+
+def relu2_mlp_forward(ctx, x, w1, w2, *, mode: str, cache=None, scales: "MLPScaleState | None" = None) -> torch.Tensor:
+    """The forward half of :func:`relu2_mlp` for callers that run forward and backward themselves
+    (:mod:`speedrun.kernels.opaque`): same arguments, state for the backward kept on ``ctx`` (a
+    :class:`~speedrun.kernels.opaque.KernelCtx`).  Returns y (..., D)."""
+    x2, c1, c2, scales = _mlp_inputs(x, w1, w2, mode, cache, scales)
     ctx.x_shape = x.shape
-    y = _Relu2MLP.forward(ctx, x2.contiguous(), w1, w2, mode, c1, c2, scales)
-    return y.reshape(*lead, w2.shape[0])
+    y = _Relu2MLP.forward(ctx, x2, w1, w2, mode, c1, c2, scales)
+    return y.reshape(*x.shape[:-1], w2.shape[0])
 
 
 def relu2_mlp_backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -684,13 +689,6 @@ def relu2_mlp(
         scales: the layer's :class:`MLPScaleState` (delayed post/dpre scales).  None uses a fresh
             one, i.e. calibrates on this call (one extra GEMM forward and one backward).
     """
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    _check_mlp_args(x2, w1, w2, mode, cache)
-    c1 = c2 = None
-    if mode != "bf16":
-        c1, c2 = _weights_fp8(w1, w2, cache)
-        if scales is None:
-            scales = MLPScaleState.create(x.device)
-    y = _Relu2MLP.apply(x2.contiguous(), w1, w2, mode, c1, c2, scales)
-    return y.reshape(*lead, w2.shape[0])
+    x2, c1, c2, scales = _mlp_inputs(x, w1, w2, mode, cache, scales)
+    y = _Relu2MLP.apply(x2, w1, w2, mode, c1, c2, scales)
+    return y.reshape(*x.shape[:-1], w2.shape[0])

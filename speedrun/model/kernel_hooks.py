@@ -18,6 +18,8 @@ softmax runs over the padded vocabulary, so the head passes ``vocab_size=None``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from speedrun.errors import ConfigError
@@ -41,6 +43,10 @@ class FusedHead:
                                    float(prefix_weight), use_fp8=self.use_fp8, vocab_size=None, softcap=softcap)
 
 
+def _detached(v):
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
 class FusedMLP:
     """``mlp_impl(x, w_fc (H, D), w_proj (H, D), layer)`` through :func:`speedrun.kernels.mlp.relu2_mlp`.
 
@@ -60,25 +66,16 @@ class FusedMLP:
         self._handles = {}
         self.prepare(layers)
 
-    _SCALE_FIELDS = ("post_amax", "dpre_amax", "post_ready", "dpre_ready", "calls")
-
     def state_dict(self) -> dict:
         """Each layer's delayed activation scales (:class:`~speedrun.kernels.mlp.MLPScaleState`)."""
-        out = {}
-        for key, st in self.scales.items():
-            out[key] = {f: (getattr(st, f).detach().clone() if isinstance(getattr(st, f), torch.Tensor)
-                            else getattr(st, f)) for f in self._SCALE_FIELDS}
-        return out
+        return {key: {f.name: _detached(getattr(st, f.name)) for f in dataclasses.fields(st)}
+                for key, st in self.scales.items()}
 
     def load_state_dict(self, state: dict) -> None:
         from speedrun.kernels.mlp import MLPScaleState
 
-        self.scales = {}
-        for key, fields in state.items():
-            st = MLPScaleState.create(fields["post_amax"].device)
-            for f in self._SCALE_FIELDS:
-                setattr(st, f, fields[f].detach().clone() if isinstance(fields[f], torch.Tensor) else fields[f])
-            self.scales[key] = st
+        self.scales = {key: MLPScaleState(**{k: _detached(v) for k, v in fields.items()})
+                       for key, fields in state.items()}
 
     def prepare(self, layers) -> None:
         """Register the op of every layer in ``layers`` (call outside compiled code)."""

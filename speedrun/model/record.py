@@ -562,8 +562,7 @@ class RecordGPT(nn.Module):
         if self._mlp_fp8 is not None:
             state["mlp_weights"] = self._mlp_fp8.state_dict()
         if self._qkv_fp8:
-            state["qkv"] = {j: {"raw_scale": p.raw_scale.clone(), "amax": p.amax.clone()}
-                            for j, p in self._qkv_fp8.items()}
+            state["qkv"] = {j: {"raw_scale": p.raw_scale.clone()} for j, p in self._qkv_fp8.items()}
         if hasattr(self.mlp_impl, "state_dict"):
             state["mlp_activations"] = self.mlp_impl.state_dict()
         return {k: v for k, v in state.items() if v}

@@ -361,7 +361,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         fp8_states = ckpt.get("fp8") or []
         if len(fp8_states) not in (0, info.world_size):
             raise ConfigError(f"checkpoint holds FP8 state of {len(fp8_states)} ranks; this run has "
-                                  f"{info.world_size}: resume with the world size it was saved with")
+                              f"{info.world_size}: resume with the world size it was saved with")
         if fp8_states and fp8_states[info.rank]:
             model.load_fp8_state_dict(fp8_states[info.rank])  # before sync_to's refresh, which replays it
         start_step, train_ms = ckpt["step"], ckpt["train_time_ms"]
