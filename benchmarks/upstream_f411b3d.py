@@ -22,11 +22,12 @@ Patches (in train_gpt.py, plus one in triton_kernels.py; dc_triton_kernels.py is
   training shape (what our runs use: ``train.max_docs=256``), and the validation fallback
   ``T // 300`` becomes ``T // 200`` (896 -> 1408 entries for 262,144 tokens; webmix val needs 886);
 * ``nvidia-smi`` missing no longer kills the run (it is only logged);
-* triton_kernels.py: the FP8 MLP down projection's two scale tensors are cloned before
-  ``torch._scaled_mm``: upstream passes views into per-layer scale buffers (``scales[i:i+1]``),
-  which are not 16-byte aligned for most layers, and torch 2.11's cuBLASLt refuses those with
-  CUBLAS_STATUS_NOT_SUPPORTED (the failure of the first attempt, docs/perf-notes.md; our own FP8
-  cache keeps one 16-byte slot per scale for the same reason).  Cost: two 4-byte copies per layer.
+* triton_kernels.py: the FP8 MLP down projection's two scale tensors are copied into buffers of
+  their own before ``torch._scaled_mm``: upstream passes views into per-layer scale buffers
+  (``scales[i:i+1]``), which are not 16-byte aligned for most layers, and torch 2.11's cuBLASLt
+  refuses those with CUBLAS_STATUS_NOT_SUPPORTED (docs/perf-notes.md; our own FP8 cache keeps one
+  16-byte slot per scale for the same reason).  The copy is a concatenation, not ``.clone()``,
+  which Inductor elides (:func:`aligned_copy`).  Cost: two tiny kernels per layer.
 
 Not patched, because they already work on one GPU under torchrun: world size 1 gives 8
 gradient-accumulation micro-batches of the same per-GPU shape as 8 GPUs; the optimizer switches
@@ -192,15 +193,23 @@ def train_patches(opts: BenchOptions) -> list[Patch]:
     return patches
 
 
+def aligned_copy(name: str) -> str:
+    """Source of a copy of the 1-element scale ``name`` in a buffer of its own (offset 0, so
+    16-byte aligned).  Not ``.clone()``: Inductor drops a clone feeding an extern kernel and passes
+    the original view (seen on the H200: ``reinterpret_tensor(scales, (1,), (1,), 1)``); a
+    concatenation must be materialised, and its first element sits at the buffer's start."""
+    return f"torch.cat([{name}.reshape(1), {name}.new_zeros(3)])[:1]"
+
+
 def kernel_patches() -> list[Patch]:
     """The patches for upstream's triton_kernels.py."""
     why = ("torch 2.11's cuBLASLt refuses FP8 scale pointers that are not 16-byte aligned "
            "(CUBLAS_STATUS_NOT_SUPPORTED); upstream passes per-layer views (scales[i:i+1]) into one buffer")
     return [
         Patch("aligned-act-scale", "                scale_a=activation_scale,\n",
-              f"                scale_a=activation_scale.clone(),  {TAG} upstream activation_scale (unaligned view)\n", why),
+              f"                scale_a={aligned_copy('activation_scale')},  {TAG} upstream activation_scale (unaligned view)\n", why),
         Patch("aligned-w2-scale", "                scale_b=W2_scale,\n",
-              f"                scale_b=W2_scale.clone(),  {TAG} upstream W2_scale (unaligned view)\n", why),
+              f"                scale_b={aligned_copy('W2_scale')},  {TAG} upstream W2_scale (unaligned view)\n", why),
     ]
 
 

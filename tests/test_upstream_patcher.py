@@ -62,13 +62,42 @@ def test_patches_apply_to_their_anchors():
     assert "itertools.cycle(files)" in out and "get_kernel" not in out
 
 
-def test_kernel_patch_clones_the_down_projection_scales():
+def test_kernel_patch_copies_the_down_projection_scales():
     text = "x3 = torch._scaled_mm(\n    post_f8,\n" + "".join(p.anchor for p in up.kernel_patches()) + ")\n"
     out, patches = up.patch_kernels(text)
-    assert "scale_a=activation_scale.clone()," in out and "scale_b=W2_scale.clone()," in out
+    assert f"scale_a={up.aligned_copy('activation_scale')}," in out
+    assert f"scale_b={up.aligned_copy('W2_scale')}," in out
     assert [p.name for p in patches] == ["aligned-act-scale", "aligned-w2-scale"]
     with pytest.raises(up.PatchError, match=r"triton_kernels.py \[aligned-act-scale\]: anchor not found"):
         up.patch_kernels(text.replace("scale_a=activation_scale", "scale_a=s"))
+
+
+def _scale_args_of_compiled_scaled_mm(copy_expr: str) -> str:
+    """The ``_scaled_mm`` call Inductor generates when both scales are offset views into one
+    buffer (upstream's ``scales[i:i+1]``), each passed through ``copy_expr`` (source with ``s``)."""
+    from torch._inductor.utils import run_and_get_code
+
+    copy = eval(f"lambda s: {copy_expr}", {"torch": torch})
+
+    def down_proj(a, b, scales):
+        return torch._scaled_mm(a, b, scale_a=copy(scales[3:4]), scale_b=copy(scales[5:6]),
+                                out_dtype=torch.bfloat16)
+
+    a = torch.randn(32, 64).to(torch.float8_e4m3fn)
+    b = torch.randn(32, 64).to(torch.float8_e4m3fn).t()
+    torch._dynamo.reset()
+    _, code = run_and_get_code(torch.compile(down_proj, backend="inductor"), a, b, torch.ones(11))
+    calls = [ln.strip() for ln in code[0].splitlines() if "extern_kernels._scaled_mm(" in ln]
+    assert len(calls) == 1, code[0]
+    return calls[0]
+
+
+def test_aligned_copy_survives_inductor():
+    """The scale copy must reach cuBLAS as its own buffer: Inductor turns ``.clone()`` back into
+    the unaligned view (what failed on the H200), while :func:`aligned_copy` keeps offset 0."""
+    assert ", 3)" in _scale_args_of_compiled_scaled_mm("s.clone()")  # the failure mode, reproduced
+    call = _scale_args_of_compiled_scaled_mm(up.aligned_copy("s"))
+    assert ", 3)" not in call and ", 5)" not in call, call
 
 
 def test_bad_options_fail_before_any_gpu_time():
@@ -106,7 +135,7 @@ def test_real_upstream_patches_cleanly(upstream_src, tmp_path):
     py_compile.compile(str(out / "train_gpt.py"), doraise=True)
     text = (out / "train_gpt.py").read_text()
     assert "import fa3_shim" in text and "flash_attn_interface = fa3_shim" in text
-    assert "scale_a=activation_scale.clone()" in (out / "triton_kernels.py").read_text()
+    assert f"scale_a={up.aligned_copy('activation_scale')}" in (out / "triton_kernels.py").read_text()
 
 
 # ---- FA3 shim ------------------------------------------------------------------------------
