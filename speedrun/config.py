@@ -81,6 +81,11 @@ class ModelConfig:
     # bank slices, then norm/RoPE/offset in PyTorch), "fused" (packed [q|k|v]-per-head layout and
     # the fused QK-prep kernel, bf16 GEMM), "fused_fp8" (the same with one packed FP8 GEMM).
     qkv_path: str = "reference"
+    # FP8 scaling of the inputs and output gradients of the FP8 MLP (kernels fp8 / fp8_full) and
+    # of the packed FP8 QKV GEMM (qkv_path fused_fp8): "current" (an exact amax pass over each
+    # tensor first) or "delayed" (the previous micro-batch's amax with headroom, measured inside
+    # the quantise kernel: one read fewer per tensor).
+    fp8_input_scaling: str = "current"
 
     @property
     def padded_vocab_size(self) -> int:
@@ -102,7 +107,8 @@ class ModelConfig:
         if not 0.0 <= self.rope_fraction <= 1.0:
             raise ConfigError(f"rope_fraction must lie in [0, 1], got {self.rope_fraction}")
         choices = {"kernels": ("reference", "triton", "fp8", "fp8_full"),
-                   "qkv_path": ("reference", "fused", "fused_fp8"), "architecture": ("core", "record")}
+                   "qkv_path": ("reference", "fused", "fused_fp8"), "architecture": ("core", "record"),
+                   "fp8_input_scaling": ("current", "delayed")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}; known: {', '.join(allowed)}")

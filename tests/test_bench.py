@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import torch
 import pytest
 
 from speedrun.cli import main
@@ -74,6 +75,57 @@ def test_bench_step_two_arms_table_and_json(tmp_path, capsys):
     r = cand["vs_base"]
     assert r["ci_low"] <= r["ratio"] <= r["ci_high"]
     assert r["ratio"] == pytest.approx(cand["median_ms"] / base["median_ms"])
+    assert base["peak_mib"] is None and "peak MiB" in text  # memory is measured on CUDA only
+
+
+def test_step_memory_accounting_with_a_stand_in_meter(monkeypatch):
+    """time_step's peak bookkeeping: the largest (peak during a step - allocated at its start)."""
+    from types import SimpleNamespace
+
+    from speedrun.evidence import bench
+
+    class FakeMeter:
+        def __init__(self):
+            self.alloc, self.high = 100, 100
+
+        def allocated(self):
+            return self.alloc
+
+        def peak(self):
+            return self.high
+
+        def reset_peak(self):
+            self.high = self.alloc
+
+    meter = FakeMeter()
+    transient = iter([50, 80, 30])
+
+    class FakeEvent:
+        def __init__(self, **kw):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    def step():
+        meter.high = max(meter.high, meter.alloc + next(transient))
+        meter.alloc += 1  # something kept across steps (it is not transient)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    sess = SimpleNamespace(info=SimpleNamespace(device=torch.device("cuda")), step=step, step_peak_bytes=0)
+    for _ in range(3):
+        assert bench.time_step(sess, meter) == 1.0
+    assert sess.step_peak_bytes == 80
+    assert bench._memory_fields(SimpleNamespace(resident_bytes=2**20, step_peak_bytes=2**21),
+                                SimpleNamespace(device=torch.device("cuda"), enabled=False)) == \
+        {"resident_mib": 1.0, "step_peak_mib": 2.0, "peak_mib": 3.0}
 
 
 def test_bench_stage_selection_and_errors(tmp_path, capsys):
@@ -107,3 +159,6 @@ def test_bench_step_on_gpu(tmp_path, compile_):
     r = wide["vs_base"]
     assert r["ci_low"] <= r["ratio"] <= r["ci_high"]
     assert res["fingerprint"]["gpu_name"]
+    # Memory per arm: a step allocates activations above what it starts with; the wider MLP more.
+    assert 0 < base["resident_mib"] and 0 < base["step_peak_mib"] < wide["step_peak_mib"]
+    assert base["peak_mib"] == pytest.approx(base["resident_mib"] + base["step_peak_mib"])

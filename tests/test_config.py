@@ -41,6 +41,8 @@ def test_model_validation():
         ModelConfig(model_dim=100, num_heads=4, v_head_dim=32).validate()
     with pytest.raises(ConfigError, match="multiple of 4"):
         ModelConfig(qk_head_dim=30).validate()
+    with pytest.raises(ConfigError, match="fp8_input_scaling='late'; known: current, delayed"):
+        ModelConfig(fp8_input_scaling="late").validate()
     assert ModelConfig(vocab_size=50257).padded_vocab_size == 50304
 
 

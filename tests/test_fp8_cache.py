@@ -20,6 +20,7 @@ from speedrun.kernels.fp8_cache import (
     StaleFP8CacheError,
     interpreting,
     quantize_current,
+    quantize_current_reference,
     quantize_dual_layout,
     quantize_dual_layout_reference,
 )
@@ -111,6 +112,38 @@ def test_quantize_current_scale_and_roundtrip():
     deq = q.float() * s
     assert ((deq - x.float()).norm() / x.float().norm()).item() < 4e-2  # e4m3: 3 mantissa bits
     assert torch.equal(_bits(qt), _bits(q.t().contiguous()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("shape,spread", [((48, 80), 1.0), ((32, 64), 1e-14), ((16, 32), 0.0)])
+def test_quantize_current_matches_its_reference_bit_for_bit(fp8_dtype, transposed, shape, spread):
+    """The kernel derives the scale from the amax itself (no torch clamp/div kernels): same bits as
+    the reference, including the 1e-12 floor (tiny and all-zero inputs)."""
+    g = torch.Generator().manual_seed(hash((shape, spread, transposed)) % 2**31)
+    x = (torch.randn(*shape, generator=g) * spread * (1 + 40 * torch.rand(shape, generator=g))).bfloat16().to(DEV)
+    q, qt, s = quantize_current(x, fp8_dtype=fp8_dtype, transposed=transposed)
+    rq, rqt, rs = quantize_current_reference(x, fp8_dtype=fp8_dtype, transposed=transposed)
+    assert s.dtype == torch.float32 and s.dim() == 0 and torch.equal(s, rs), (s, rs)
+    assert torch.equal(_bits(q), _bits(rq))
+    if transposed:
+        assert torch.equal(_bits(qt), _bits(rqt)) and torch.equal(_bits(qt), _bits(q.t().contiguous()))
+    else:
+        assert qt is None and rqt is None
+    if spread == 0.0:
+        assert s.item() == pytest.approx(1e-12 / FP8_MAX[fp8_dtype], rel=1e-6)
+
+
+@needs_kernel
+def test_quantize_current_nan_gives_nan_scale_and_bad_shapes_are_refused():
+    x = torch.randn(32, 64).bfloat16().to(DEV)
+    x[5, 7] = float("nan")
+    assert quantize_current(x)[2].isnan() and quantize_current_reference(x)[2].isnan()
+    with pytest.raises(ValueError, match="one \\(R, C\\) matrix"):
+        quantize_current(torch.randn(2, 32, 64).bfloat16().to(DEV))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        quantize_current(torch.randn(30, 64).bfloat16().to(DEV))
 
 
 # ---------------------------------------------------------------------------------------------

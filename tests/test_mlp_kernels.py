@@ -134,8 +134,8 @@ def test_gemm_rejects_bad_shapes_and_dtypes():
 # relu2_mlp
 
 
-def _run(mode, x, w1, w2, gy, cache=None, calls=2):
-    state = MLPScaleState.create(DEV)
+def _run(mode, x, w1, w2, gy, cache=None, calls=2, input_scaling="current"):
+    state = MLPScaleState.create(DEV, input_scaling=input_scaling)
     xk, w1k, w2k = (t.clone().requires_grad_() for t in (x, w1, w2))
     for _ in range(calls):  # later calls use the delayed scales measured by the earlier ones
         xk.grad = w1k.grad = w2k.grad = None
@@ -152,12 +152,13 @@ def _reference(x, w1, w2, gy):
 
 
 @needs_kernel
-@pytest.mark.parametrize("impl", ["fused", "split"])
+@pytest.mark.parametrize("impl", ["fused", "split", "per-case"])
 @pytest.mark.parametrize("mode,bound_y,bound_g", [("bf16", 1e-2, 1e-2), ("fp8_fwd", 8e-2, 8e-2), ("fp8_full", 8e-2, 0.12)])
 def test_mlp_forward_backward_vs_reference(mode, bound_y, bound_g, impl, monkeypatch):
     from speedrun.kernels import mlp
 
-    monkeypatch.setattr(mlp, "GEMM_IMPL", impl)
+    if impl != "per-case":  # per-case: the module default (split for the FP8 dpre only)
+        monkeypatch.setattr(mlp, "GEMM_IMPL", impl)
     x, w1, w2, gy = inputs(5)
     ref = _reference(x, w1, w2, gy)
     y, dx, dw1, dw2, state = _run(mode, x, w1, w2, gy)
@@ -235,3 +236,62 @@ def test_mlp_reference_matches_autograd_definition():
     y = relu2_mlp_reference(x, w1, w2)
     want = (torch.relu(x.double() @ w1.double().t()) ** 2) @ w2.double().t()
     assert y.dtype == torch.bfloat16 and rel(y, want) < 1e-2
+
+
+def test_default_gemm_impl_per_direction_and_dtype(monkeypatch):
+    from speedrun.kernels import mlp
+
+    monkeypatch.setattr(mlp, "GEMM_IMPL", {("up", True): "fused", ("up", False): "fused",
+                                           ("dpre", True): "split", ("dpre", False): "fused"})
+    assert mlp.default_gemm_impl(forward=False, fp8=True) == "split"
+    assert mlp.default_gemm_impl(forward=True, fp8=True) == "fused"
+    monkeypatch.setattr(mlp, "GEMM_IMPL", "split")
+    assert mlp.default_gemm_impl(forward=True, fp8=False) == "split"
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode,bound_g", [("fp8_fwd", 8e-2), ("fp8_full", 0.12)])
+def test_delayed_input_scaling_skips_the_amax_pass(mode, bound_g, monkeypatch):
+    """Delayed scaling of x and g: the first call calibrates (current scaling), later calls quantise
+    with the previous amax x headroom and never run an amax pass; same error bounds as current."""
+    from speedrun.kernels import fp8_cache
+
+    x, w1, w2, gy = inputs(21)
+    cache = FP8WeightCache()
+    cache.refresh({"w1": w1, "w2": w2})
+    wc = (cache.get("w1"), cache.get("w2"))
+    ref = _reference(x, w1, w2, gy)
+    state = MLPScaleState.create(DEV, input_scaling="delayed")
+    passes = []
+    real_abs_max = fp8_cache.abs_max
+    monkeypatch.setattr(fp8_cache, "abs_max", lambda t: passes.append(tuple(t.shape)) or real_abs_max(t))
+    for call in range(3):
+        xk, w1k, w2k = (t.clone().requires_grad_() for t in (x, w1, w2))
+        y = relu2_mlp(xk, w1k, w2k, mode=mode, cache=wc, scales=state)
+        y.backward(gy)
+        want_passes = [(T, D)] + ([(T, D)] if mode == "fp8_full" else [])
+        assert passes == (want_passes if call == 0 else []), (call, passes)
+        passes.clear()
+        assert rel(y, ref[0]) < 8e-2
+        for got, want in zip((xk.grad, w1k.grad, w2k.grad), ref[1:]):
+            assert rel(got, want) < bound_g
+        # The quantise kernel measured this call's amax for the next one (exact: a max).
+        assert state.x_ready and state.x_amax == x.float().abs().max()
+        if mode == "fp8_full":
+            assert state.g_ready and state.g_amax == gy.float().abs().max()
+    # A 10x larger input saturates (scale from the old amax), and the state catches up: x's scale
+    # on the next call, post's (measured behind the clipped x) on the one after.
+    errs = []
+    for _ in range(3):
+        errs.append(rel(relu2_mlp(x * 10, w1, w2, mode=mode, cache=wc, scales=state), relu2_mlp_reference(x * 10, w1, w2)))
+        assert state.x_amax == (x * 10).float().abs().max()
+    assert errs[0] > 0.1 and errs[2] < 8e-2, errs
+
+
+def test_input_scaling_is_validated():
+    with pytest.raises(ValueError, match="input_scaling must be one of"):
+        MLPScaleState.create("cpu", input_scaling="late")
+    st = MLPScaleState.create("cpu", input_scaling="delayed")
+    assert st.x_amax is None and not st.x_ready  # created by the calibrating first call
+    with pytest.raises(ValueError, match="which must be 'x' or 'g'"):
+        st.quantize_input(torch.zeros(16, 16), "y", transposed=False)

@@ -171,6 +171,42 @@ def test_linear_float_sa_and_current_packing():
     assert torch.isfinite(w_qk.grad).all() and w_qk.grad.abs().sum() > 0
 
 
+@needs_kernel
+@pytest.mark.parametrize("dw_fp8", [False, True], ids=["dw_bf16", "dw_fp8"])
+def test_linear_delayed_input_scaling(dw_fp8, monkeypatch):
+    """x and dy through a delayed InputScaling: the first call calibrates (current scaling), later
+    calls skip the amax pass and give the current-scaled results within the FP8 bounds."""
+    from speedrun.kernels import fp8_cache
+    from speedrun.kernels.fp8_cache import InputScaling
+
+    qk, vo, sc = banks(6)
+    g = torch.Generator().manual_seed(41)
+    x0 = torch.randn(T, D, generator=g).bfloat16().to(DEV)
+    dy = torch.randn(T, N, generator=g).bfloat16().to(DEV)
+    packed = pack_qkv_fp8(qk[:H], vo[0], sc[0])
+    passes = []
+    real = fp8_cache.abs_max
+    monkeypatch.setattr(fp8_cache, "abs_max", lambda t: passes.append(tuple(t.shape)) or real(t))
+
+    def run(inputs, fn=packed_qkv_linear):
+        x, w_qk = x0.clone().requires_grad_(), qk[:H].clone().requires_grad_()
+        kw = {} if fn is packed_qkv_linear_reference else dict(dw_fp8=dw_fp8, inputs=inputs)
+        y = fn(x, packed, w_qk, vo[0], sc[0], **kw)
+        y.backward(dy)
+        return y, x.grad, w_qk.grad
+
+    want = run(None, packed_qkv_linear_reference)  # bf16 reference: the documented FP8 bounds
+    passes.clear()
+    st = InputScaling(input_scaling="delayed")
+    for call in range(3):
+        got = run(st)
+        assert passes == ([(T, D), (T, N)] if call == 0 else []), (call, passes)
+        passes.clear()
+        for a, b, bound in zip(got, want, (6e-2, 9e-2, 9e-2)):
+            assert rel(a, b) < bound
+        assert st.x_amax == x0.float().abs().max() and st.g_amax == dy.float().abs().max()
+
+
 @pytest.mark.parametrize(
     "case, match",
     [

@@ -109,20 +109,29 @@ def test_fused_kernels_train_like_the_reference(tmp_path, kernels):
         assert err < (5e-2 if kernels == "triton" else 0.25), (name, err)
 
 
-def test_fp8_candidate_resume_equals_uninterrupted(tmp_path, kernels_use_references):
-    """FP8 delayed scales (MLP weight cache, packed QKV weights, MLP activations) are part of the
-    checkpoint: without them a resumed run re-bootstraps its scales and drifts from the
-    uninterrupted one.  (PyTorch reference kernels: the scale bookkeeping is the same code.)"""
+@pytest.mark.parametrize("input_scaling", ["current", "delayed"])
+def test_fp8_candidate_resume_equals_uninterrupted(tmp_path, kernels_use_references, input_scaling):
+    """FP8 delayed scales (MLP weight cache, packed QKV weights, MLP activations, and the MLP's x/g
+    scales when delayed) are part of the checkpoint: without them a resumed run re-bootstraps its
+    scales and drifts from the uninterrupted one.  (PyTorch reference kernels: the scale
+    bookkeeping is the same code.)"""
     extra = ("model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_head_dim=16", "train.batch_divisor=1024",
-             "train.checkpoint_every=3", "train.steps=8", "train.num_extension=1")
+             "train.checkpoint_every=3", "train.steps=8", "train.num_extension=1",
+             f"model.fp8_input_scaling={input_scaling}")
     whole = train(tiny_record(tmp_path, *extra), console=False)
     cut = train(tiny_record(tmp_path, *extra), console=False, stop_after=5)
     resumed = train(tiny_record(tmp_path, *extra), run_dir=cut.run_dir, resume=True, console=False)
     a = torch.load(list_checkpoints(whole.run_dir)[-1], weights_only=False)
     b = torch.load(list_checkpoints(resumed.run_dir)[-1], weights_only=False)
     (state,) = a["fp8"]  # one rank
-    assert set(state) == {"mlp_weights", "qkv", "mlp_activations"} and set(b["fp8"][0]) == set(state)
+    delayed = input_scaling == "delayed"
+    sections = {"mlp_weights", "qkv", "mlp_activations"} | ({"qkv_inputs"} if delayed else set())
+    assert set(state) == sections and set(b["fp8"][0]) == set(state)
     assert all(bool(v["post_ready"]) for v in state["mlp_activations"].values())
+    if delayed:
+        assert all(v["x_ready"] and v["g_ready"] and v["x_amax"] > 0 for v in state["qkv_inputs"].values())
+    assert all(v["input_scaling"] == input_scaling and bool(v["g_ready"]) == delayed and (v["x_amax"] is not None) == delayed
+               for v in state["mlp_activations"].values())
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
 

@@ -110,7 +110,8 @@ Each arm is a preset plus overrides, built once (model, optimizer, loader at the
 shapes) exactly as 'speedrun train' builds it.  Every arm is warmed up first (compilation is
 untimed), then the arms are timed interleaved (A B A B ...), one optimizer step at a time
 (all grad_accum micro-batches, gradient all-reduce and update), with CUDA events from an idle GPU
-(perf_counter on the CPU).  Printed per arm: median and IQR (ms), tokens/s, and the ratio of its
+(perf_counter on the CPU).  Printed per arm: median and IQR (ms), tokens/s, the arm's peak
+memory on CUDA (what it keeps allocated plus the most one step adds, MiB), and the ratio of its
 median to the first arm's with a paired bootstrap 95% CI.  Under torchrun a step's time is the
 maximum over ranks.
 

@@ -10,8 +10,12 @@ all-reduce and the optimizer update of the run's recipe), record a second event,
 timed with ``time.perf_counter``.  Under torchrun every rank times its steps and a step's time is
 the maximum over ranks (the slowest rank sets the pace).
 
-Reported per arm: median, quartiles and IQR of the step time (ms) and global tokens per second at
-the median; for each arm after the first, the ratio of its median to the first arm's median with
+Reported per arm: median, quartiles and IQR of the step time (ms), global tokens per second at
+the median and, on CUDA, the arm's memory: ``resident_mib`` (what building and warming it up left
+allocated: weights, optimizer state, FP8 caches), ``step_peak_mib`` (the most a timed step
+allocated above what was allocated when it started) and their sum ``peak_mib``, the arm's peak
+as if it ran alone (the arms share one process, so the device's own peak mixes them); for each
+arm after the first, the ratio of its median to the first arm's median with
 a paired bootstrap 95% confidence interval (repetitions resampled with replacement, the same
 indices for both arms, because repetition ``i`` of both arms ran back to back).
 """
@@ -67,6 +71,8 @@ class Session:
     dtype: torch.dtype
     count: int = 0
     times_ms: list[float] = field(default_factory=list)
+    resident_bytes: int = 0  # allocated by building and warming up this arm (CUDA)
+    step_peak_bytes: int = 0  # max over timed steps of (peak during the step - allocated at its start)
 
     @property
     def optimizer(self):
@@ -124,16 +130,41 @@ def build_session(name: str, cfg: RunConfig, stage_index: int, info) -> Session:
     return Session(name, cfg, stage, stage_end, model, run_model, recipe, loader, info, dtype)
 
 
-def time_step(session: Session) -> float:
-    """Milliseconds of one optimizer step of ``session``, started from an idle device."""
+class MemoryMeter:
+    """Allocated-bytes bookkeeping on one CUDA device (every method is a no-op returning 0 on
+    other devices).  The three torch calls are methods so tests can stand in for them."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device)) if self.cuda else 0
+
+    def peak(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else 0
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def time_step(session: Session, meter: MemoryMeter | None = None) -> float:
+    """Milliseconds of one optimizer step of ``session``, started from an idle device; with a
+    ``meter``, also updates ``session.step_peak_bytes``."""
     device = session.info.device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        if meter is not None:
+            at_start = meter.allocated()
+            meter.reset_peak()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         session.step()
         end.record()
         end.synchronize()
+        if meter is not None:
+            session.step_peak_bytes = max(session.step_peak_bytes, meter.peak() - at_start)
         return float(start.elapsed_time(end))
     t0 = time.perf_counter()
     session.step()
@@ -223,17 +254,22 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
     if len(devices) > 1:
         raise ConfigError(f"all arms must use one train.device, got {sorted(devices)}")
     info = distributed.setup(configs[0][1].train.device)
+    meter = MemoryMeter(info.device)
     sessions: list[Session] = []
     try:
         for name, cfg, _ in configs:
+            before = meter.allocated()
             sessions.append(build_session(name, cfg, stage, info))
+            sessions[-1].resident_bytes = meter.allocated() - before
         for s in sessions:
+            before = meter.allocated()
             for _ in range(warmup):
                 s.step()
             distributed.barrier(info)
+            s.resident_bytes += meter.allocated() - before  # optimizer state, FP8 caches, grads kept
         for rep in range(steps):
             for s in sessions:
-                s.times_ms.append(time_step(s))
+                s.times_ms.append(time_step(s, meter))
             if progress and info.is_main and (rep + 1) % 10 == 0:
                 print(f"  {rep + 1}/{steps} repetitions", flush=True)
         times = {s.name: _gather_max(s.times_ms, info) for s in sessions}
@@ -267,6 +303,7 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
             "parameters": sum(p.numel() for p in s.model.parameters()),
             **d,
             "tokens_per_s": st.batch_tokens / (d["median_ms"] / 1000.0),
+            **_memory_fields(s, info),
             "times_ms": times[name],
             "config": cfg.to_dict(),
         }
@@ -291,17 +328,33 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
     }
 
 
+def _memory_fields(s: Session, info) -> dict[str, float | None]:
+    """The arm's memory in MiB (CUDA; None elsewhere), the maximum over ranks."""
+    if info.device.type != "cuda":
+        return {"resident_mib": None, "step_peak_mib": None, "peak_mib": None}
+    vals = [s.resident_bytes, s.step_peak_bytes]
+    if info.enabled:
+        gathered: list = [None] * info.world_size
+        torch.distributed.all_gather_object(gathered, vals)
+        vals = [max(col) for col in zip(*gathered)]
+    mib = [v / 2**20 for v in vals]
+    return {"resident_mib": mib[0], "step_peak_mib": mib[1], "peak_mib": mib[0] + mib[1]}
+
+
 def render_table(result: dict[str, Any]) -> str:
     """A plain-text table of a :func:`bench_step` result."""
     base = result["baseline"]
-    head = f"{'arm':<16} {'median ms':>10} {'q1':>9} {'q3':>9} {'IQR':>8} {'tokens/s':>13}  ratio vs {base} [95% CI]"
+    head = (f"{'arm':<16} {'median ms':>10} {'q1':>9} {'q3':>9} {'IQR':>8} {'tokens/s':>13} {'peak MiB':>9}"
+            f"  ratio vs {base} [95% CI]")
     lines = [f"bench step: stage {result['stage']}, {result['steps']} steps per arm after {result['warmup']} "
              f"warmup, {result['device']} x{result['world_size']}, {result['timing']}", head, "-" * len(head)]
     for a in result["arms"]:
         r = a.get("vs_" + base)
         ratio = f"{r['ratio']:.4f} [{r['ci_low']:.4f}, {r['ci_high']:.4f}]" if r else "1 (baseline)"
+        peak = a.get("peak_mib")
+        peak_s = f"{peak:>9,.0f}" if peak is not None else f"{'-':>9}"
         lines.append(f"{a['name']:<16} {a['median_ms']:>10.3f} {a['q1_ms']:>9.3f} {a['q3_ms']:>9.3f} "
-                     f"{a['iqr_ms']:>8.3f} {a['tokens_per_s']:>13,.0f}  {ratio}")
+                     f"{a['iqr_ms']:>8.3f} {a['tokens_per_s']:>13,.0f} {peak_s}  {ratio}")
     for w in result["warnings"]:
         lines.append(f"warning: {w}")
     return "\n".join(lines) + "\n"

@@ -34,7 +34,7 @@ Weight scaling policy (documented here, used by the cache):
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -131,9 +131,14 @@ def _dual_layout_kernel(
     w_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr,
     R, C, stride_wb, stride_wr,
     SCALE_PER_MATRIX: tl.constexpr, FMAX: tl.constexpr, FP8_E5M2: tl.constexpr, STORE_T: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr, AMAX_FLOOR_C: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     EXACT_CASTS: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, SUB_C: tl.constexpr, MIN_NORMAL: tl.constexpr,
 ):
+    """SCALE_FROM_AMAX (current scaling of one matrix): ``amax_ptr`` is an input holding the
+    measured max |w| and ``scale_ptr`` an output, ``s = max(amax, floor) / FMAX`` computed here
+    (saves the two tiny torch kernels that computed it, and the atomic amax this pass would repeat);
+    otherwise ``scale_ptr`` is an input and max |w| is max-accumulated into ``amax_ptr``."""
     pid = tl.program_id(0)
     b = tl.program_id(1)
     tiles_c = tl.cdiv(C, BLOCK_C)
@@ -142,7 +147,12 @@ def _dual_layout_kernel(
     mask = (offs_r[:, None] < R) & (offs_c[None, :] < C)
     w = tl.load(w_ptr + b * stride_wb + offs_r[:, None] * stride_wr + offs_c[None, :], mask=mask, other=0.0)
     w = w.to(tl.float32)
-    if SCALE_PER_MATRIX:
+    if SCALE_FROM_AMAX:
+        a = tl.load(amax_ptr)
+        # torch's clamp_min propagates NaN; so does this (a NaN input gives NaN payload and scale).
+        s = tl.math.div_rn(tl.where(a != a, a, tl.maximum(a, AMAX_FLOOR_C)), FMAX)
+        tl.store(scale_ptr, s, mask=(pid == 0) & (b == 0))
+    elif SCALE_PER_MATRIX:
         s = tl.load(scale_ptr + b)
     else:
         s = tl.load(scale_ptr)
@@ -158,8 +168,9 @@ def _dual_layout_kernel(
         # Same tile, transposed addressing: the compiler stages it through shared memory so the
         # (C, R) writes stay coalesced.
         tl.store(qt_ptr + base + offs_c[None, :] * R + offs_r[:, None], q, mask=mask)
-    # |w| >= 0, so a float atomic max is exact and order-independent.
-    tl.atomic_max(amax_ptr + b, tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+    if not SCALE_FROM_AMAX:
+        # |w| >= 0, so a float atomic max is exact and order-independent.
+        tl.atomic_max(amax_ptr + b, tl.max(tl.max(tl.abs(w), axis=1), axis=0))
 
 
 def _check_quant_args(w: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, name: str) -> None:
@@ -255,8 +266,11 @@ def quantize_dual_layout_reference(
 QUANT_CONFIG = (32, 128, 4)
 
 
-def _quantize(w, scale, fp8_dtype, *, transposed, out=None, out_t=None, amax=None):
-    """Shared launcher: the dual-layout kernel, or row-major only when ``transposed`` is False."""
+def _quantize(w, scale, fp8_dtype, *, transposed, out=None, out_t=None, amax=None, scale_from_amax=False):
+    """Shared launcher: the dual-layout kernel, or row-major only when ``transposed`` is False.
+
+    ``scale_from_amax`` (Triton only, one matrix): ``amax`` holds the measured max |w| and the
+    kernel writes ``scale`` (an output) from it instead of reading it."""
     out, out_t, amax = _alloc(w, fp8_dtype, out, out_t, amax, transposed)
     if not triton_usable(w):
         q, qt, a = quantize_dual_layout_reference(w, scale, fp8_dtype=fp8_dtype)
@@ -276,7 +290,7 @@ def _quantize(w, scale, fp8_dtype, *, transposed, out=None, out_t=None, amax=Non
         w, out.view(torch.uint8), out_t.view(torch.uint8), scale, amax,
         R, C, w.stride(0) if w.dim() == 3 else 0, w.stride(-2),
         SCALE_PER_MATRIX=scale.dim() == 1, FMAX=FP8_MAX[fp8_dtype], FP8_E5M2=fp8_dtype == E5M2, STORE_T=transposed,
-        BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+        SCALE_FROM_AMAX=scale_from_amax, AMAX_FLOOR_C=AMAX_FLOOR, BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
         EXACT_CASTS=interpreting(), **grid_constants(fp8_dtype),
     )
     return out, out_t, amax
@@ -334,15 +348,110 @@ def abs_max_reference(x: torch.Tensor) -> torch.Tensor:
 def quantize_current(
     x: torch.Tensor, *, fp8_dtype: torch.dtype = E4M3, transposed: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Current (just-in-time) tensorwise scaling of one matrix: ``s = max|x| / FMAX``.
+    """Current (just-in-time) tensorwise scaling of one matrix: ``s = max(max|x|, 1e-12) / FMAX``.
 
-    Two reads of ``x`` (the amax pass, then the quantise kernel).  Returns
-    ``(x_fp8 (R, C), x_fp8_t (C, R) or None, s 0-d fp32)``.
+    x: (R, C) bf16/fp16/fp32 row-major, R and C multiples of 16.  Two reads of ``x`` (the amax
+    pass, then the quantise kernel, which derives the scale itself: two Triton launches and one
+    memset in all).  Returns ``(x_fp8 (R, C), x_fp8_t (C, R) or None, s 0-d fp32)``, bit-identical
+    to :func:`quantize_current_reference`.
     """
     _check_quant_args(x, _SCALAR_FP32, fp8_dtype, "quantize_current")
+    if x.dim() != 2:
+        raise ValueError(f"quantize_current: expected one (R, C) matrix, got shape {tuple(x.shape)}")
+    if not triton_usable(x):
+        return quantize_current_reference(x, fp8_dtype=fp8_dtype, transposed=transposed)
     amax = abs_max(x)
-    scale = amax.clamp_min(AMAX_FLOOR) / FP8_MAX[fp8_dtype]
-    q, qt, _ = _quantize(x, scale, fp8_dtype, transposed=transposed)
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    q, qt, _ = _quantize(x, scale, fp8_dtype, transposed=transposed, amax=amax, scale_from_amax=True)
+    return q, (qt if transposed else None), scale
+
+
+def quantize_delayed(
+    x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, *, fp8_dtype: torch.dtype = E4M3, transposed: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Delayed scaling of one matrix: quantise with a scale chosen earlier (from a previous amax)
+    and max-accumulate this call's ``max|x|`` into ``amax`` for the next one: one read of ``x``.
+
+    x: (R, C) row-major bf16/fp16/fp32; scale, amax: 0-d fp32.  Values beyond ``FMAX * scale``
+    saturate.  Returns ``(x_fp8 (R, C), x_fp8_t (C, R) or None)``; the reference is
+    :func:`quantize_dual_layout_reference` (same bits)."""
+    _check_quant_args(x, scale, fp8_dtype, "quantize_delayed")
+    if x.dim() != 2 or scale.dim() != 0:
+        raise ValueError(f"quantize_delayed: expected one (R, C) matrix and a 0-d scale, got {tuple(x.shape)}, {tuple(scale.shape)}")
+    q, qt, _ = _quantize(x, scale, fp8_dtype, transposed=transposed, amax=amax)
+    return q, (qt if transposed else None)
+
+
+def _detached_copy(v):
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
+INPUT_HEADROOM = 1.5
+INPUT_SCALINGS = ("current", "delayed")
+
+
+@dataclass(kw_only=True)
+class InputScaling:
+    """FP8 scaling of one layer's activation input ``x`` (e4m3) and output gradient ``g`` (e5m2).
+
+    ``input_scaling="current"``: :func:`quantize_current` (an exact amax pass, then the quantise
+    kernel).  ``"delayed"``: the scale is the previous call's amax x ``input_headroom`` / FMAX and
+    the quantise kernel measures this call's amax on the way (:func:`quantize_delayed`): one read
+    of the tensor instead of two and no reduction launch; values above the scale's range saturate
+    for one call.  The first call of each tensor calibrates with current scaling.  ``x_amax`` /
+    ``g_amax`` are 0-d fp32 device tensors (created by that first call); no host sync anywhere.
+    Subclassed by per-layer state that adds its own fields (:class:`speedrun.kernels.mlp.MLPScaleState`).
+    """
+
+    input_scaling: str = "current"
+    input_headroom: float = INPUT_HEADROOM
+    x_amax: torch.Tensor | None = None
+    g_amax: torch.Tensor | None = None
+    x_ready: bool = False
+    g_ready: bool = False
+
+    def __post_init__(self) -> None:
+        if self.input_scaling not in INPUT_SCALINGS:
+            raise ValueError(f"input_scaling must be one of {INPUT_SCALINGS}, got {self.input_scaling!r}")
+
+    def state_dict(self) -> dict:
+        """Every field (a subclass's too), tensors detached and cloned: a checkpoint's view."""
+        return {f.name: _detached_copy(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict, **overrides):
+        """The inverse of :meth:`state_dict`; ``overrides`` replace saved fields (e.g. the
+        configured ``input_scaling`` over a checkpoint's)."""
+        return cls(**{**{k: _detached_copy(v) for k, v in state.items()}, **overrides})
+
+    def quantize_input(self, t: torch.Tensor, which: str, *, transposed: bool):
+        """Quantise ``t``: the input (``which="x"``, e4m3) or the output gradient (``"g"``, e5m2).
+        Returns ``(t_fp8 (R, C), t_fp8_t (C, R) or None, scale 0-d fp32)``."""
+        if which not in ("x", "g"):
+            raise ValueError(f"quantize_input: which must be 'x' or 'g', got {which!r}")
+        fp8_dtype = E4M3 if which == "x" else E5M2
+        if self.input_scaling == "current":
+            return quantize_current(t, fp8_dtype=fp8_dtype, transposed=transposed)
+        amax = getattr(self, f"{which}_amax")
+        if amax is None or not getattr(self, f"{which}_ready"):
+            q, qt, scale = quantize_current(t, fp8_dtype=fp8_dtype, transposed=transposed)
+            # The scale holds the amax it was made from (times 1/FMAX, exact for the floor too).
+            setattr(self, f"{which}_amax", scale * FP8_MAX[fp8_dtype])
+            setattr(self, f"{which}_ready", True)
+            return q, qt, scale
+        scale = amax.clamp_min(AMAX_FLOOR) * (self.input_headroom / FP8_MAX[fp8_dtype])
+        amax.zero_()
+        q, qt = quantize_delayed(t, scale, amax, fp8_dtype=fp8_dtype, transposed=transposed)
+        return q, qt, scale
+
+
+def quantize_current_reference(
+    x: torch.Tensor, *, fp8_dtype: torch.dtype = E4M3, transposed: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Plain-PyTorch reference of :func:`quantize_current` (same signature, same bits)."""
+    _check_quant_args(x, _SCALAR_FP32, fp8_dtype, "quantize_current_reference")
+    scale = abs_max_reference(x).clamp_min(AMAX_FLOOR) / FP8_MAX[fp8_dtype]
+    q, qt, _ = quantize_dual_layout_reference(x, scale, fp8_dtype=fp8_dtype)
     return q, (qt if transposed else None), scale
 
 

@@ -24,12 +24,14 @@ Scaling per tensor (dequantisation scale s, real ~= fp8 * s):
 =========  ======  ============================================================================
 tensor     dtype   policy
 =========  ======  ============================================================================
-x          e4m3    current: s = max|x| / 448 (one amax pass; x is (T, 768), cheap)
+x          e4m3    current (default): s = max|x| / 448 (one amax pass over (T, 768)); or delayed
+                   (``MLPScaleState.input_scaling="delayed"``): s = amax(previous call) · 1.5 / 448,
+                   this call's amax measured by the quantise kernel, no extra pass
 w1, w2     e4m3    from :class:`~speedrun.kernels.fp8_cache.FP8WeightCache` (delayed, per update),
                    or current scaling when no cache is passed (slow path for tests/eval)
 post       e4m3    delayed: s = amax(previous call) · 1.8 / 448 (record's headroom); the up
                    kernel measures this call's amax on the fly; values above 448·s saturate
-g          e5m2    current: s = max|g| / 57344 (g is (T, 768); the quantise kernel writes both layouts)
+g          e5m2    as x (current or delayed), s = max|g| / 57344; the quantise kernel writes both layouts
 dpre       e5m2    delayed: s = amax(previous call) · 2 / 57344, measured in the dpre epilogue
 =========  ======  ============================================================================
 
@@ -39,8 +41,8 @@ calibrates from a current measurement (one extra GEMM, once).
 Kernels.  One fused GEMM, :func:`relu2_gemm`, in two variants behind one dispatcher: a plain
 pointer-load kernel (any strides; runs in the CPU interpreter, ``TRITON_INTERPRET=1``, at small
 shapes) and, on sm90 with K-major contiguous operands, a persistent TMA-descriptor kernel
-(``USE_TMA``); both share one epilogue.  A third route, ``impl="split"`` (module default
-``GEMM_IMPL``), runs the GEMM through cuBLAS into a bf16 temporary and the same epilogue as a
+(``USE_TMA``); both share one epilogue.  A third route, ``impl="split"`` (the module default
+``GEMM_IMPL`` picks per direction and dtype: split for the FP8 dpre only, from H200 timings), runs the GEMM through cuBLAS into a bf16 temporary and the same epilogue as a
 bandwidth-bound Triton pass: it trades two passes over an (M, N) bf16 tensor for cuBLAS's faster
 mainloop (benchmarks/bench_mlp.py times both, interleaved).  FP8 outputs are produced as bit patterns by integer
 arithmetic and stored through uint8 views: a kernel that stores an FP8 tile both row-major and
@@ -71,6 +73,7 @@ from speedrun.kernels.fp8_cache import (
     _round_to_grid,
     grid_constants,
     interpreting,
+    InputScaling,
     quantize_current,
     triton_usable,
 )
@@ -285,9 +288,20 @@ USE_TMA = True
 TMA_FLATTEN = True
 # How relu2_gemm runs by default: "fused" (one Triton GEMM with the ReLU² epilogue) or "split"
 # (the GEMM through cuBLAS with a 16-bit output, then the epilogue as a bandwidth-bound Triton
-# pass: 2 extra passes over an (M, N) bf16 tensor for cuBLAS's faster mainloop).  See
-# docs/perf-notes.md for which wins at the record's shapes.
-GEMM_IMPL = "fused"
+# pass: 2 extra passes over an (M, N) bf16 tensor for cuBLAS's faster mainloop).  Either one
+# string for every call, or a choice per (direction, operand dtype).  H200, T = 49,152, 2026-12-03
+# (benchmarks/bench_mlp.py, 7 interleaved rounds, split/fused): FP8 up 1.22 (both layouts) and
+# 1.10 (fp8_fwd), bf16 up 1.26, FP8 dpre 0.871 -> split only for the FP8 dpre (docs/perf-notes.md).
+GEMM_IMPL: str | dict[tuple[str, bool], str] = {
+    ("up", True): "fused", ("up", False): "fused", ("dpre", True): "split", ("dpre", False): "fused",
+}
+
+
+def default_gemm_impl(forward: bool, fp8: bool) -> str:
+    """The :data:`GEMM_IMPL` choice for an up (forward) or dpre (backward) GEMM."""
+    if isinstance(GEMM_IMPL, str):
+        return GEMM_IMPL
+    return GEMM_IMPL[("up" if forward else "dpre", fp8)]
 EPILOGUE_CONFIG = (64, 128, 8)  # BLOCK_M, BLOCK_N, num_warps of the split path's epilogue pass
 
 
@@ -381,12 +395,12 @@ def relu2_gemm(
         out, out_q, out_qt, amax: optional preallocated outputs.
         impl: "fused" (one Triton kernel) or "split" (cuBLAS GEMM to a bf16 (M, N) temporary,
             then the epilogue in Triton; the accumulator is rounded to bf16 before the epilogue);
-            None = the module default :data:`GEMM_IMPL`.
+            None = the module default :data:`GEMM_IMPL` for this direction and dtype.
 
     K and N must be multiples of 16 (M is free).  Returns :class:`GemmOut`.
     """
     _check_gemm_args(a, b, aux, aux_scale, a_scale, b_scale, q_dtype, q_scale, store_out, emit_transposed, amax)
-    impl = GEMM_IMPL if impl is None else impl
+    impl = default_gemm_impl(aux is None, a.dtype in _FP8) if impl is None else impl
     if impl not in ("fused", "split"):
         raise ValueError(f"relu2_gemm: impl must be 'fused' or 'split', got {impl!r}")
     if not triton_usable(a):
@@ -501,8 +515,10 @@ def relu2_gemm_reference(
 
 
 @dataclass
-class MLPScaleState:
-    """Delayed scales of one MLP layer: ``post`` (e4m3, forward) and ``dpre`` (e5m2, backward).
+class MLPScaleState(InputScaling):
+    """Delayed scales of one MLP layer: ``post`` (e4m3, forward) and ``dpre`` (e5m2, backward),
+    plus the scaling of its input x and output gradient g (:class:`InputScaling`'s fields:
+    ``input_scaling="current"`` or ``"delayed"``).
 
     ``post_amax``/``dpre_amax`` are 0-d fp32 device tensors holding the amax measured by the last
     call; the next call's scale is ``max(amax, 1e-12) · headroom / FMAX``.  ``*_ready`` is False
@@ -590,7 +606,7 @@ class _Relu2MLP(torch.autograd.Function):
             ctx.save_for_backward(x, w1, w2, post)
             return y
         full = mode == "fp8_full"
-        xq, xqt, x_scale = quantize_current(x, fp8_dtype=E4M3, transposed=full)
+        xq, xqt, x_scale = state.quantize_input(x, "x", transposed=full)
         if not state.post_ready:
             pre_post = relu2_gemm(xq, c1.data, a_scale=x_scale, b_scale=c1.scale).out
             state.post_amax.copy_(pre_post.float().abs().amax())
@@ -621,7 +637,7 @@ class _Relu2MLP(torch.autograd.Function):
             return dx, dw1, dw2, None, None, None, None
         xqt, x_scale, pq, pqt, p_scale, w1t, w1s, w2t, w2s = ctx.saved_tensors
         state = ctx.state
-        gq, gqt, g_scale = quantize_current(g, fp8_dtype=E5M2, transposed=True)
+        gq, gqt, g_scale = state.quantize_input(g, "g", transposed=True)
         if not state.dpre_ready:
             d = relu2_gemm(gq, w2t, aux=pq, aux_scale=p_scale, a_scale=g_scale, b_scale=w2s).out
             state.dpre_amax.copy_(d.float().abs().amax())

@@ -31,8 +31,9 @@ Scales (dequantisation scales, ``real ~= fp8 * s``):
   ``scale = raw_scale * |sa|``, so ``data * scale ~= sa * W_packed`` with a positive GEMM scale.
 
 Autograd GEMM (:func:`packed_qkv_linear`): forward ``y = x W_effᵀ`` with ``W_eff = sa W_packed``:
-x current-scaled e4m3 x e4m3 weight, ``torch._scaled_mm`` (exact fp32 emulation off-GPU), output in
-x's dtype.  Backward: ``dX = dy W_eff`` as e5m2 dy (current scale) x e4m3 ``data_t``;
+x e4m3 x e4m3 weight, ``torch._scaled_mm`` (exact fp32 emulation off-GPU), output in x's dtype.
+Backward: ``dX = dy W_eff`` as e5m2 dy x e4m3 ``data_t``.  x and dy are current-scaled, or
+delayed-scaled through the layer's :class:`~speedrun.kernels.fp8_cache.InputScaling` (``inputs``);
 ``dW_eff = dyᵀ x`` in bf16 (``dw_fp8=False``, default) or e5m2 x e4m3 (``dw_fp8=True``: x is
 saved as e4m3 in its transposed layout, dy quantised in both layouts from one read).  Then, exactly
 as autograd of ``F.linear(x, sa * cat(...))`` would: ``dW_bank = sa * dW_eff`` (un-permuted into the
@@ -62,6 +63,7 @@ from speedrun.kernels.fp8_cache import (
     _fp8_bits,
     grid_constants,
     interpreting,
+    InputScaling,
     quantize_current,
     triton_usable,
 )
@@ -335,8 +337,13 @@ def pack_qkv_fp8_reference(
 
 class _PackedQKVLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_qk, w_v, sa, data, data_t, scale, H, dqk, dv, dw_fp8, fast_accum):
-        xq, xqt, xs = quantize_current(x, fp8_dtype=E4M3, transposed=dw_fp8)
+    def forward(ctx, x, w_qk, w_v, sa, data, data_t, scale, H, dqk, dv, dw_fp8, fast_accum, inputs):
+        # inputs: the layer's InputScaling (current or delayed scaling of x and dy), or None (current)
+        ctx.inputs = inputs
+        if inputs is None:
+            xq, xqt, xs = quantize_current(x, fp8_dtype=E4M3, transposed=dw_fp8)
+        else:
+            xq, xqt, xs = inputs.quantize_input(x, "x", transposed=dw_fp8)
         y = scaled_mm(xq, data.t(), xs, scale, out_dtype=x.dtype, use_fast_accum=fast_accum)
         ctx.dims = (H, dqk, dv)
         ctx.dw_fp8 = dw_fp8
@@ -356,13 +363,16 @@ class _PackedQKVLinear(torch.autograd.Function):
             xqt, xs, w_qk, w_v, sa, data_t, scale = ctx.saved_tensors
         else:
             x, w_qk, w_v, sa, data_t, scale = ctx.saved_tensors
-        dyq, dyqt, gs = quantize_current(dy, fp8_dtype=E5M2, transposed=ctx.dw_fp8)
+        if ctx.inputs is None:
+            dyq, dyqt, gs = quantize_current(dy, fp8_dtype=E5M2, transposed=ctx.dw_fp8)
+        else:
+            dyq, dyqt, gs = ctx.inputs.quantize_input(dy, "g", transposed=ctx.dw_fp8)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = scaled_mm(dyq, data_t.t(), gs, scale, out_dtype=dy.dtype)
         need_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         if not need_w:
-            return dx, None, None, None, None, None, None, None, None, None, None, None
+            return (dx,) + (None,) * 12
         if ctx.dw_fp8:
             dw_eff = scaled_mm(dyqt, xqt.t(), gs, xs, out_dtype=torch.float32)  # (N, D)
         else:
@@ -379,7 +389,7 @@ class _PackedQKVLinear(torch.autograd.Function):
         dqk_w = torch.cat((per_head[:, :dqk], per_head[:, dqk : 2 * dqk]), dim=0) * s  # (2H, dqk, D)
         dw_qk = dqk_w.reshape(w_qk.shape).to(w_qk.dtype)
         dw_v = (per_head[:, 2 * dqk :] * s).reshape(w_v.shape).to(w_v.dtype)
-        return dx, dw_qk, dw_v, dsa, None, None, None, None, None, None, None, None
+        return (dx, dw_qk, dw_v, dsa) + (None,) * 9
 
 
 def _check_linear_args(x, packed, w_qk, w_v, sa_lambda, num_heads, name):
@@ -408,6 +418,7 @@ def packed_qkv_linear(
     num_heads: int | None = None,
     dw_fp8: bool = False,
     use_fast_accum: bool = True,
+    inputs: InputScaling | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, sa_lambda * W_packed)`` with FP8 GEMMs; gradients to x, w_qk, w_v and sa_lambda.
 
@@ -421,6 +432,8 @@ def packed_qkv_linear(
         dw_fp8: False = dW from a bf16 GEMM ``dyᵀ x`` (saves x); True = e5m2 dy x e4m3 x (saves x as
             e4m3 transposed, half the memory, ~6% relative dW error).
         use_fast_accum: forward GEMM's fast accumulation (GPU only).
+        inputs: the layer's :class:`~speedrun.kernels.fp8_cache.InputScaling` (current or delayed
+            scaling of x and dy, kept across calls); None = current scaling.
 
     Returns y (T, H (2 Dqk + Dv)) in the packed column order, x's dtype.
     """
@@ -428,19 +441,19 @@ def packed_qkv_linear(
     if packed is None:
         packed = pack_qkv_fp8(w_qk.detach(), w_v.detach(), sa_lambda, num_heads=H)
     return _PackedQKVLinear.apply(x.contiguous(), w_qk, w_v, sa_lambda, packed.data, packed.data_t, packed.scale,
-                                  H, dqk, dv, dw_fp8, use_fast_accum)
+                                  H, dqk, dv, dw_fp8, use_fast_accum, inputs)
 
 
 def packed_qkv_forward(ctx, x, packed, w_qk, w_v, sa_lambda, *, num_heads=None, dw_fp8=False,
-                       use_fast_accum=True) -> torch.Tensor:
+                       use_fast_accum=True, inputs: InputScaling | None = None) -> torch.Tensor:
     """The forward half of :func:`packed_qkv_linear` (same arguments) for callers that run forward
     and backward themselves (:mod:`speedrun.kernels.opaque`); state for the backward on ``ctx``."""
     H, dqk, dv, D = _check_linear_args(x, packed, w_qk, w_v, sa_lambda, num_heads, "packed_qkv_linear")
     if packed is None:
         packed = pack_qkv_fp8(w_qk.detach(), w_v.detach(), sa_lambda, num_heads=H)
-    ctx.needs_input_grad = (True, True, True, True) + (False,) * 8
+    ctx.needs_input_grad = (True, True, True, True) + (False,) * 9
     return _PackedQKVLinear.forward(ctx, x.contiguous(), w_qk, w_v, sa_lambda, packed.data, packed.data_t,
-                                    packed.scale, H, dqk, dv, dw_fp8, use_fast_accum)
+                                    packed.scale, H, dqk, dv, dw_fp8, use_fast_accum, inputs)
 
 
 def packed_qkv_backward(ctx, dy: torch.Tensor):
@@ -458,6 +471,7 @@ def packed_qkv_linear_reference(
     num_heads: int | None = None,
     dw_fp8: bool = False,
     use_fast_accum: bool = True,
+    inputs: InputScaling | None = None,
 ) -> torch.Tensor:
     """Reference of :func:`packed_qkv_linear` (same signature): record.py's bf16
     ``F.linear(x, (cat * sa_lambda))`` in the packed column order, differentiable by autograd.

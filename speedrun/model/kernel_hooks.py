@@ -18,8 +18,6 @@ softmax runs over the padded vocabulary, so the head passes ``vocab_size=None``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from speedrun.errors import ConfigError
@@ -43,18 +41,15 @@ class FusedHead:
                                    float(prefix_weight), use_fp8=self.use_fp8, vocab_size=None, softcap=softcap)
 
 
-def _detached(v):
-    return v.detach().clone() if isinstance(v, torch.Tensor) else v
-
-
 class FusedMLP:
     """``mlp_impl(x, w_fc (H, D), w_proj (H, D), layer)`` through :func:`speedrun.kernels.mlp.relu2_mlp`.
 
     Each layer's call is one opaque op (:mod:`speedrun.kernels.opaque`), so ``torch.compile`` keeps
     the network in one graph around it; :meth:`prepare` registers the layers' ops before compiling."""
 
-    def __init__(self, mode: str, weights=None):
+    def __init__(self, mode: str, weights=None, input_scaling: str = "current"):
         self.mode = mode
+        self.input_scaling = input_scaling  # MLPScaleState.input_scaling of every layer
         self.weights = weights  # layer -> cached (FP8Weight w1, FP8Weight w2) or None
         self.scales: dict[int, object] = {}
         self._handles: dict[int, int] = {}
@@ -68,13 +63,13 @@ class FusedMLP:
 
     def state_dict(self) -> dict:
         """Each layer's delayed activation scales (:class:`~speedrun.kernels.mlp.MLPScaleState`)."""
-        return {key: {f.name: _detached(getattr(st, f.name)) for f in dataclasses.fields(st)}
-                for key, st in self.scales.items()}
+        return {key: st.state_dict() for key, st in self.scales.items()}
 
     def load_state_dict(self, state: dict) -> None:
         from speedrun.kernels.mlp import MLPScaleState
 
-        self.scales = {key: MLPScaleState(**{k: _detached(v) for k, v in fields.items()})
+        # The configured input scaling wins over a checkpoint's (a run may switch it on resume).
+        self.scales = {key: MLPScaleState.from_state_dict(fields, input_scaling=self.input_scaling)
                        for key, fields in state.items()}
 
     def prepare(self, layers) -> None:
@@ -106,7 +101,7 @@ class FusedMLP:
         scales = cache = None
         if self.mode != "bf16":
             if key not in self.scales:
-                self.scales[key] = MLPScaleState.create(x.device)
+                self.scales[key] = MLPScaleState.create(x.device, input_scaling=self.input_scaling)
             scales = self.scales[key]
             cache = self.weights(layer) if (self.weights is not None and layer is not None) else None
             if cache is None:
@@ -131,13 +126,14 @@ class FusedMLP:
         return y.to(in_dtype)
 
 
-def install_kernels(model, mode: str) -> None:
-    """Set ``model.ce_impl`` and ``model.mlp_impl`` for ``mode`` (see the module docstring)."""
+def install_kernels(model, mode: str, input_scaling: str = "current") -> None:
+    """Set ``model.ce_impl`` and ``model.mlp_impl`` for ``mode`` (see the module docstring);
+    ``input_scaling`` is the MLP's FP8 scaling of x and g (``ModelConfig.fp8_input_scaling``)."""
     if mode not in MODES:
         raise ConfigError(f"model.kernels={mode!r}; known: {', '.join(MODES)}")
     if mode == "reference":
         return
     model.ce_impl = FusedHead(use_fp8=mode != "triton")
     model.mlp_impl = FusedMLP({"triton": "bf16", "fp8": "fp8_fwd", "fp8_full": "fp8_full"}[mode],
-                              weights=getattr(model, "mlp_fp8_weights", None))
+                              weights=getattr(model, "mlp_fp8_weights", None), input_scaling=input_scaling)
     model.mlp_impl.prepare(range(getattr(model, "num_layers", 0)))

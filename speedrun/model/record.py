@@ -314,12 +314,13 @@ class RecordGPT(nn.Module):
         self.dc_impl = dc_postonly_correction
         self._mlp_fp8 = None  # FP8WeightCache of mlp_bank, refreshed once per optimizer update
         self._qkv_fp8: dict[int, object] = {}  # attention index -> PackedQKV, same cadence
+        self._qkv_inputs: dict[int, object] = {}  # attention index -> InputScaling of x and dy
         self._qkv_replay: dict[int, torch.Tensor] = {}  # raw scales the next refresh reuses (resume)
         self._qkv_fp8_versions: tuple[int, ...] | None = None
         if model_cfg.kernels != "reference":
             from speedrun.model.kernel_hooks import install_kernels
 
-            install_kernels(self, model_cfg.kernels)
+            install_kernels(self, model_cfg.kernels, model_cfg.fp8_input_scaling)
         self._backends: dict[torch.device, object] = {}
         self._hidden_fn = None  # torch.compile'd hidden (compile_body), else the eager method
         self._kernel_handles: dict[tuple, int] = {}
@@ -563,6 +564,8 @@ class RecordGPT(nn.Module):
             state["mlp_weights"] = self._mlp_fp8.state_dict()
         if self._qkv_fp8:
             state["qkv"] = {j: {"raw_scale": p.raw_scale.clone()} for j, p in self._qkv_fp8.items()}
+        if self.cfg.fp8_input_scaling == "delayed" and self._qkv_inputs:
+            state["qkv_inputs"] = {j: st.state_dict() for j, st in self._qkv_inputs.items()}
         if hasattr(self.mlp_impl, "state_dict"):
             state["mlp_activations"] = self.mlp_impl.state_dict()
         return {k: v for k, v in state.items() if v}
@@ -570,7 +573,7 @@ class RecordGPT(nn.Module):
     def load_fp8_state_dict(self, state: dict) -> None:
         """Restore :meth:`fp8_state_dict` (after loading the weights it was saved with); the next
         :meth:`refresh_fp8_weights` rebuilds the saved FP8 weights exactly."""
-        unknown = set(state) - {"mlp_weights", "qkv", "mlp_activations"}
+        unknown = set(state) - {"mlp_weights", "qkv", "qkv_inputs", "mlp_activations"}
         if unknown:
             raise ValueError(f"unknown FP8 state sections {sorted(unknown)}")
         if "mlp_weights" in state:
@@ -585,6 +588,14 @@ class RecordGPT(nn.Module):
             if self.cfg.qkv_path != "fused_fp8":
                 raise ValueError(f"checkpoint has packed FP8 QKV scales but model.qkv_path={self.cfg.qkv_path!r}")
             self._qkv_replay = {int(j): v["raw_scale"].clone() for j, v in state["qkv"].items()}
+        if "qkv_inputs" in state:
+            if self.cfg.qkv_path != "fused_fp8":
+                raise ValueError(f"checkpoint has packed FP8 QKV input scales but model.qkv_path={self.cfg.qkv_path!r}")
+            from speedrun.kernels.fp8_cache import InputScaling
+
+            # The configured scaling wins over the checkpoint's (a run may switch it on resume).
+            self._qkv_inputs = {int(j): InputScaling.from_state_dict(fields, input_scaling=self.cfg.fp8_input_scaling)
+                                for j, fields in state["qkv_inputs"].items()}
         if "mlp_activations" in state:
             if not hasattr(self.mlp_impl, "load_state_dict"):
                 raise ValueError(f"checkpoint has FP8 MLP activation scales but model.kernels={self.cfg.kernels!r}")
@@ -707,6 +718,16 @@ class RecordGPT(nn.Module):
         q, k, v = opaque.call(self._kernel_handles[("qk_prep", j, aux is not None, padded)], ins)
         return q, k, v
 
+    def _qkv_input_scaling(self, j: int):
+        """Attention layer ``j``'s :class:`~speedrun.kernels.fp8_cache.InputScaling` (x and dy of
+        the packed FP8 QKV GEMM; ``model.fp8_input_scaling``), created on first use."""
+        st = self._qkv_inputs.get(j)
+        if st is None:
+            from speedrun.kernels.fp8_cache import InputScaling
+
+            st = self._qkv_inputs[j] = InputScaling(input_scaling=self.cfg.fp8_input_scaling)
+        return st
+
     def _register_qkv_kernels(self) -> None:
         """One opaque op per attention layer for the packed FP8 GEMM and two for QK-prep (with and
         without a value residual), registered here because compiled code cannot register them."""
@@ -724,7 +745,8 @@ class RecordGPT(nn.Module):
 
             def qkv_forward(ctx, ts, j=j):
                 h, w_qk, w_v, sa0 = ts
-                return [packed_qkv_forward(ctx, h, self.qkv_fp8_weight(j), w_qk, w_v, sa0, num_heads=H)]
+                return [packed_qkv_forward(ctx, h, self.qkv_fp8_weight(j), w_qk, w_v, sa0, num_heads=H,
+                                           inputs=self._qkv_input_scaling(j))]
 
             self._kernel_handles[("qkv", j)] = opaque.register(opaque.OpaqueKernel(
                 name=f"packed_qkv_fp8[attention {j}]", forward=qkv_forward,

@@ -49,13 +49,14 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = old
 
 
-@pytest.fixture(params=["tma", "pointer", "split"])
+@pytest.fixture(params=["tma", "pointer", "split", "per-case"])
 def kernel_kind(request):
-    """Run a test with the TMA persistent GEMM, the pointer GEMM and the split path (cuBLAS GEMM,
-    then the epilogue pass)."""
+    """Run a test with the TMA persistent GEMM, the pointer GEMM, the split path (cuBLAS GEMM,
+    then the epilogue pass) and the module's per-case default (split for the FP8 dpre only)."""
     old = mlp_module.USE_TMA, mlp_module.GEMM_IMPL
-    mlp_module.USE_TMA = request.param == "tma"
-    mlp_module.GEMM_IMPL = "split" if request.param == "split" else "fused"
+    mlp_module.USE_TMA = request.param in ("tma", "per-case")
+    if request.param != "per-case":
+        mlp_module.GEMM_IMPL = "split" if request.param == "split" else "fused"
     yield request.param
     mlp_module.USE_TMA, mlp_module.GEMM_IMPL = old
 
@@ -206,3 +207,42 @@ def test_abs_max_exact_at_record_shapes(shape):
     assert torch.equal(out, abs_max_reference(x)) and out == 40.0
     x.view(-1)[7] = float("nan")
     assert abs_max(x).isnan()
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("shape", [(49152, 768), (49152, 3072)])
+def test_quantize_current_bitwise_at_record_shapes(shape, fp8_dtype):
+    """Current scaling with the scale derived inside the quantise kernel (the MLP's x and g, the
+    packed QKV's x and dy): same bits as the PyTorch reference, both layouts."""
+    from speedrun.kernels.fp8_cache import quantize_current, quantize_current_reference
+
+    g = torch.Generator(device=DEV).manual_seed(sum(shape))
+    x = (torch.randn(shape, device=DEV, generator=g) * 3e-3).bfloat16()
+    q, qt, s = quantize_current(x, fp8_dtype=fp8_dtype)
+    rq, rqt, rs = quantize_current_reference(x, fp8_dtype=fp8_dtype)
+    assert torch.equal(s, rs)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8))
+
+
+@pytest.mark.parametrize("mode", ["fp8_fwd", "fp8_full"])
+def test_mlp_delayed_input_scaling_at_record_shapes(mode):
+    """x and g quantised with the previous call's amax (no amax pass): the same bounds as current
+    scaling after the calibrating first call, and the measured amax is exact."""
+    from speedrun.kernels.mlp import MLPScaleState
+
+    x, w1, w2, gy = _mlp_inputs(11)
+    cache = FP8WeightCache()
+    cache.refresh({"w1": w1, "w2": w2})
+    pair = (cache.get("w1"), cache.get("w2"))
+    xs, w1s, w2s = (t.clone().requires_grad_() for t in (x, w1, w2))
+    relu2_mlp_reference(xs, w1s, w2s).backward(gy)
+    state = MLPScaleState.create(DEV, input_scaling="delayed")
+    for _ in range(3):
+        xk, w1k, w2k = (t.clone().requires_grad_() for t in (x, w1, w2))
+        y = relu2_mlp(xk, w1k, w2k, mode=mode, cache=pair, scales=state)
+        y.backward(gy)
+        assert rel(y, relu2_mlp_reference(x, w1, w2)) < 8e-2
+        for got, want in ((xk.grad, xs.grad), (w1k.grad, w1s.grad), (w2k.grad, w2s.grad)):
+            assert rel(got, want) < (0.12 if mode == "fp8_full" else 8e-2)
+        assert state.x_amax == x.float().abs().max()
