@@ -34,6 +34,21 @@ def _bench(fn, rep_ms=200):
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
 
 
+def _host_ms(fn, calls=5):
+    """Milliseconds of host time per ``fn()`` call (Python, argument checks, kernel launches),
+    timed while a ``torch.cuda._sleep`` spin keeps the GPU busy, so no launch waits for the GPU.
+    A path that synchronises shows up as roughly the length of the spin (~0.5 s)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU clock cycles
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    ms = (time.perf_counter() - t0) / calls * 1e3
+    torch.cuda.synchronize()
+    return ms
+
+
 def _tflops(flop, ms):
     return flop / (ms * 1e-3) / 1e12
 
@@ -130,6 +145,8 @@ def main(argv=None) -> int:
     act_bytes = T * D * (2 + 1 + 1)
     rec("fp8", "quantize x e4m3 row-major only (amax + kernel)", lambda: quantize_current(x, transposed=False), nbytes=T * D * 3)
     rec("fp8", "quantize x e4m3 both layouts (amax + kernel)", lambda: quantize_current(x), nbytes=act_bytes)
+    rows.append({"group": "host", "name": "host ms/call (GPU kept busy): quantize_current x both",
+                 "ms": _host_ms(lambda: quantize_current(x))})
     rec("fp8", "quantize g e5m2 both layouts (amax + kernel)", lambda: quantize_current(g, fp8_dtype=E5M2), nbytes=act_bytes)
     rec("fp8", "quantize kernel alone, x both layouts", lambda: quantize_dual_layout(x, xs), nbytes=act_bytes)
     from speedrun.kernels.fp8_cache import abs_max, abs_max_reference
@@ -183,6 +200,32 @@ def main(argv=None) -> int:
         gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, store_out=False, q_dtype=E5M2, q_scale=ds,
         emit_transposed=True, amax=amax, impl=impl), gemm_flop)
     ab("up bf16", lambda impl: lambda: M.relu2_gemm(x, w1, impl=impl), gemm_flop)
+
+    # The split route's epilogue pass against its byte floor, per block configuration: its time is
+    # (split call) - (the cuBLAS GEMM alone to bf16); bytes = read the bf16 GEMM output (2 MN), read
+    # the e4m3 post for dpre (MN), write the FP8 layouts (2 MN).
+    t_cublas_up = _bench(lambda: M.scaled_mm(xq, w1q.t(), xs, w1s, out_dtype=torch.bfloat16, use_fast_accum=True))
+    t_cublas_dp = _bench(lambda: M.scaled_mm(gq, w2qt.t(), gs, w2s, out_dtype=torch.bfloat16, use_fast_accum=True))
+    saved_epi = M.EPILOGUE_CONFIG
+    epi = []
+    for cfg_e in [saved_epi, (128, 128, 8), (128, 64, 4), (256, 64, 8), (128, 256, 8), (64, 256, 8), (256, 128, 8)]:
+        M.EPILOGUE_CONFIG = cfg_e
+        for what, fn, t_gemm, nbytes in (
+            ("up e4m3 both layouts", lambda: M.relu2_gemm(xq, w1q, a_scale=xs, b_scale=w1s, store_out=False, q_dtype=E4M3,
+                                                         q_scale=ps, emit_transposed=True, amax=amax, impl="split"),
+             t_cublas_up, 4 * T * H),
+            ("dpre e5m2 both layouts", lambda: M.relu2_gemm(gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s,
+                                                           store_out=False, q_dtype=E5M2, q_scale=ds, emit_transposed=True,
+                                                           amax=amax, impl="split"),
+             t_cublas_dp, 5 * T * H),
+        ):
+            try:
+                ms = _bench(fn, rep_ms=60) - t_gemm
+                epi.append({"what": what, "config": list(cfg_e), "epilogue_ms": ms, "tbps": nbytes / (ms * 1e-3) / 1e12})
+            except Exception as e:  # a config that does not compile (shared memory) is reported, not fatal
+                epi.append({"what": what, "config": list(cfg_e), "error": f"{type(e).__name__}: {str(e)[:120]}"})
+    M.EPILOGUE_CONFIG = saved_epi
+    res["split_epilogue"] = {"cublas_up_ms": t_cublas_up, "cublas_dpre_ms": t_cublas_dp, "configs": epi}
 
     fp8_w = {}
     for fast in (False, True):
@@ -243,7 +286,14 @@ def main(argv=None) -> int:
         (torch.relu(xr @ w1r.t()).square() @ w2r.t()).backward(g)
 
     mlp_ms["torch_bf16"] = rec("mlp", "fwd+bwd plain torch bf16 autograd", torch_step, 6 * gemm_flop)
+    # Interleaved rounds: GEMM_IMPL for every relu2_gemm ("fused", "split") and the module's
+    # per-case default ("default": a choice per direction and dtype).  Then the host (Python +
+    # launch) time of one call, measured while the GPU is held busy so nothing waits on it: a
+    # call whose host time is near its GPU time is launch-bound wherever it runs eagerly (the
+    # compiled network calls these kernels as opaque ops, i.e. eagerly).
     saved_impl = M.GEMM_IMPL
+    impls = {"fused": "fused", "split": "split", "default": saved_impl}
+    host_ms = {}
     for mode in ("fp8_fwd", "fp8_full"):
         xr, w1r, w2r = (t.clone().requires_grad_() for t in (x, w1, w2))
         state = M.MLPScaleState.create(dev)
@@ -253,16 +303,19 @@ def main(argv=None) -> int:
             M.relu2_mlp(xr, w1r, w2r, mode=mode, cache=wc, scales=state).backward(g)
 
         step()
-        times = {"fused": [], "split": []}
+        times = {name: [] for name in impls}
         for _ in range(7):
-            for impl in ("fused", "split"):
+            for name, impl in impls.items():
                 M.GEMM_IMPL = impl
-                times[impl].append(_bench(step, rep_ms=60))
+                times[name].append(_bench(step, rep_ms=60))
         M.GEMM_IMPL = saved_impl
-        for impl in ("fused", "split"):
-            mlp_ms[f"{mode}_{impl}_interleaved"] = statistics.median(times[impl])
-            rows.append({"group": "mlp", "name": f"fwd+bwd {mode} GEMM_IMPL={impl} (interleaved)",
-                         "ms": statistics.median(times[impl]), "tflops": _tflops(6 * gemm_flop, statistics.median(times[impl]))})
+        for name in impls:
+            mlp_ms[f"{mode}_{name}_interleaved"] = statistics.median(times[name])
+            rows.append({"group": "mlp", "name": f"fwd+bwd {mode} GEMM_IMPL={name} (interleaved)",
+                         "ms": statistics.median(times[name]), "tflops": _tflops(6 * gemm_flop, statistics.median(times[name]))})
+        host_ms[mode] = _host_ms(step)
+        rows.append({"group": "host", "name": f"host ms/call (GPU kept busy): fwd+bwd {mode}", "ms": host_ms[mode]})
+    res["host_ms"] = host_ms
     res["mlp_ms"] = mlp_ms
 
     # ---- FP8 weight cache refresh over a bank
@@ -347,6 +400,12 @@ def main(argv=None) -> int:
     out_dir = Path(os.environ.get("OUT", "./bench_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_mlp.json").write_text(json.dumps(res, indent=2))
+    se = res["split_epilogue"]
+    print(f"split route: cuBLAS FP8 GEMM to bf16 up {se['cublas_up_ms']:.3f} ms, dpre {se['cublas_dpre_ms']:.3f} ms; "
+          f"epilogue pass per config (BLOCK_M, BLOCK_N, warps), copy ceiling {c['copy_tbps']:.2f} TB/s:")
+    for e in se["configs"]:
+        print(f"  {e['what']:24} {str(tuple(e['config'])):16} "
+              + (f"{e['epilogue_ms']:.3f} ms  {e['tbps']:.2f} TB/s" if "error" not in e else e["error"]))
     print(f"wrote {out_dir / 'bench_mlp.json'}")
     return 0
 

@@ -14,10 +14,11 @@ DEADLINE=$(( $(date +%s) + ${BUDGET_S:-570} ))
 # left CAP: seconds this part may take, at most CAP and at most what is left of the budget
 left() { local r=$(( DEADLINE - $(date +%s) - 5 )); [ "$r" -lt "$1" ] && echo $(( r > 1 ? r : 1 )) || echo "$1"; }
 # short_run PRESET: the preset's full model and recipe on a shortened schedule (35 steps in each of the
-# three stages + 30 extension steps), full 10,485,760-token validation, log into $OUT.
+# three stages + 35 extension steps, so each has >= 30 timed steps after the first few), full
+# 10,485,760-token validation, log into $OUT.
 short_run() {
-  log "$1 preset, shortened schedule (105 + 30 steps) on webmix"
-  timeout "$(left "$2")" python3 -m speedrun train --preset "$1" --steps 135 --set train.num_extension=30 \
+  log "$1 preset, shortened schedule (105 + 35 steps) on webmix"
+  timeout "$(left "$2")" python3 -m speedrun train --preset "$1" --steps 140 --set train.num_extension=35 \
     --out /tmp/runs --name "$1-short" --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" \
     --val-data "$SPEEDRUN_TEST_DATA/webmix_val_*.bin" --set train.max_docs=256 --quiet 2>&1 | tail -30
   cp /tmp/runs/"$1"-short-*/log.txt "$OUT/$1_short_log.txt" 2>/dev/null
@@ -53,9 +54,13 @@ for part in $parts; do
         --set train.batch_tokens=65536 2>&1 | tail -20
       cp /tmp/runs/*/log.txt "$OUT/small_webmix_log.txt" 2>/dev/null ;;
     record)
-      log "record vs candidate: one optimizer step per stage, interleaved (bench step)"
+      # BENCH_ARMS: space-separated NAME=PRESET[:overrides], e.g. add
+      # "candfwd=candidate:model.kernels=fp8_fwd" (the candidate with the record's MLP precision).
+      BENCH_ARMS=${BENCH_ARMS:-base=record cand=candidate}
+      log "bench step, interleaved: $BENCH_ARMS"
+      arms=""; for a in $BENCH_ARMS; do arms="$arms --arm $a"; done
       for stage in ${STAGES:-0 1 2}; do
-        timeout "$(left 550)" python3 -m speedrun bench step --arm base=record --arm cand=candidate --stage $stage \
+        timeout "$(left 550)" python3 -m speedrun bench step $arms --stage $stage \
           --steps 20 --warmup 3 --set train.max_docs=256 \
           --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --json "$OUT/bench_step_stage$stage.json" 2>&1 | tail -12
       done ;;
@@ -67,12 +72,13 @@ for part in $parts; do
         cp "/tmp/prof_$arm/profile.md" "$OUT/profile_$arm.md" 2>/dev/null
       done ;;
     abloss)
-      # AB_SEEDS: a count (0..N-1) or a list "2,3"; AB_ARMS: space-separated NAME=PRESET[:overrides]
-      # (default: the candidate gets its 30 extra extension steps, as in the record configuration
-      # (1315 vs 1285 steps); e.g. add "bf16=candidate:model.qkv_path=fused,model.kernels=fp8,..."
-      # to separate the FP8 effects from the 96-wide Q/K).  Eager runs are launch-bound (~0.7 s/step
-      # at any batch): ~150 s per run with the two full validations.
-      AB_ARMS=${AB_ARMS:-base=record cand=candidate:train.steps=165,train.num_extension=60}
+      # AB_SEEDS: a count (0..N-1) or a list "2,3"; AB_ARMS: space-separated NAME=PRESET[:overrides].
+      # Default: time-matched, i.e. the candidate gets the extra steps its faster step pays for
+      # (135 / 0.95 ~ 142: 7 more extension steps; the record's +30 of 1285 is the same idea at full
+      # length).  "cand=candidate" alone measures the per-step loss cost at equal steps.  E.g. add
+      # "bf16=candidate:model.qkv_path=fused,model.kernels=fp8,..." to separate the FP8 effects from
+      # the 96-wide Q/K.  Eager runs are launch-bound (0.7-0.9 s/step at any batch): 150-200 s per run.
+      AB_ARMS=${AB_ARMS:-base=record cand=candidate:train.steps=142,train.num_extension=37}
       log "loss A/B: $AB_ARMS, seeds ${AB_SEEDS:-3}, eager, batch/4, 105 scheduled steps"
       arms=""; for a in $AB_ARMS; do arms="$arms --arm $a"; done
       timeout "$(left 580)" python3 -m speedrun compare $arms \
