@@ -35,7 +35,8 @@ for part in $parts; do
   case $part in
     tests)
       log "GPU tests"
-      timeout "$(left ${TESTS_S:-400})" python3 -m pytest -q -m gpu tests ${TESTS_ARGS:-} 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
+      # TESTS_PATHS: which test files or folders (default: all of tests/); TESTS_ARGS: extra pytest arguments
+      timeout "$(left ${TESTS_S:-400})" python3 -m pytest -q -m gpu ${TESTS_PATHS:-tests} ${TESTS_ARGS:-} 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
     doctor)
       log doctor
       timeout 120 python3 -m speedrun doctor 2>&1 | tail -30 | tee "$OUT/doctor.txt" ;;
