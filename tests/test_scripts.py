@@ -1,0 +1,25 @@
+"""The device scripts in benchmarks/ at least parse (they only run on the GPU machines)."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.sh"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_shell_script_parses(script):
+    bash = shutil.which("bash") or pytest.skip("no bash")
+    out = subprocess.run([bash, "-n", str(script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_multigpu_script_refuses_unknown_parts(tmp_path):
+    bash = shutil.which("bash") or pytest.skip("no bash")
+    script = [s for s in SCRIPTS if s.name == "multigpu_run.sh"][0]
+    env = {"PATH": "/usr/bin:/bin", "DEVICE": "cpu", "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "w"),
+           "SPEEDRUN_TEST_DATA": str(tmp_path)}
+    out = subprocess.run([bash, str(script), "nonsense"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 2 and "unknown part nonsense" in out.stderr
