@@ -355,12 +355,23 @@ def quantize_current(
     memset in all).  Returns ``(x_fp8 (R, C), x_fp8_t (C, R) or None, s 0-d fp32)``, bit-identical
     to :func:`quantize_current_reference`.
     """
-    _check_quant_args(x, _SCALAR_FP32, fp8_dtype, "quantize_current")
+    _check_one_matrix(x, fp8_dtype, "quantize_current")
+    return _quantize_from_amax(x, abs_max(x), fp8_dtype, transposed)
+
+
+def _check_one_matrix(x: torch.Tensor, fp8_dtype: torch.dtype, name: str) -> None:
+    _check_quant_args(x, _SCALAR_FP32, fp8_dtype, name)
     if x.dim() != 2:
-        raise ValueError(f"quantize_current: expected one (R, C) matrix, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name}: expected one (R, C) matrix, got shape {tuple(x.shape)}")
+
+
+def _quantize_from_amax(x, amax, fp8_dtype, transposed):
+    """Quantise one checked matrix with ``s = max(amax, 1e-12) / FMAX`` (``amax``: 0-d fp32, the
+    measured max |x|); the Triton kernel computes s itself.  Returns (q, qt or None, s)."""
     if not triton_usable(x):
-        return quantize_current_reference(x, fp8_dtype=fp8_dtype, transposed=transposed)
-    amax = abs_max(x)
+        scale = amax.clamp_min(AMAX_FLOOR) / FP8_MAX[fp8_dtype]
+        q, qt, _ = quantize_dual_layout_reference(x, scale, fp8_dtype=fp8_dtype)
+        return q, (qt if transposed else None), scale
     scale = torch.empty((), dtype=torch.float32, device=x.device)
     q, qt, _ = _quantize(x, scale, fp8_dtype, transposed=transposed, amax=amax, scale_from_amax=True)
     return q, (qt if transposed else None), scale
@@ -434,11 +445,11 @@ class InputScaling:
             return quantize_current(t, fp8_dtype=fp8_dtype, transposed=transposed)
         amax = getattr(self, f"{which}_amax")
         if amax is None or not getattr(self, f"{which}_ready"):
-            q, qt, scale = quantize_current(t, fp8_dtype=fp8_dtype, transposed=transposed)
-            # The scale holds the amax it was made from (times 1/FMAX, exact for the floor too).
-            setattr(self, f"{which}_amax", scale * FP8_MAX[fp8_dtype])
+            _check_one_matrix(t, fp8_dtype, "quantize_input")
+            amax = abs_max(t)  # calibration: current scaling, and its amax is the next call's
+            setattr(self, f"{which}_amax", amax)
             setattr(self, f"{which}_ready", True)
-            return q, qt, scale
+            return _quantize_from_amax(t, amax, fp8_dtype, transposed)
         scale = amax.clamp_min(AMAX_FLOOR) * (self.input_headroom / FP8_MAX[fp8_dtype])
         amax.zero_()
         q, qt = quantize_delayed(t, scale, amax, fp8_dtype=fp8_dtype, transposed=transposed)
