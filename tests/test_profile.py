@@ -161,6 +161,39 @@ def test_gpu_attribution_and_report_from_fake_events(tmp_path):
     assert (tmp_path / "p" / "roofline.png").stat().st_size > 1000
 
 
+def _timed_kernel(name, start, end, annotation=False):
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    return SimpleNamespace(name=name, device_type=DeviceType.CUDA, is_user_annotation=annotation,
+                           time_range=SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start))
+
+
+def test_gpu_timeline_busy_idle_and_gap_sites(tmp_path):
+    """Union over streams, gaps charged to (kernel ending last, next kernel) by base name."""
+    ev = [
+        _timed_kernel("void gemm<1>(int)", 0.0, 10.0),
+        _timed_kernel("elementwise", 5.0, 12.0),        # overlaps (another stream)
+        _timed_kernel("_relu2_gemm_tma_kernel", 20.0, 30.0),  # gap 8 after elementwise
+        _timed_kernel("void gemm<2>(int)", 30.0, 31.0),  # back to back: no gap
+        _timed_kernel("ProfilerStep#1", 0.0, 100.0, annotation=True),  # not work
+        _timed_kernel("elementwise", 41.0, 50.0),        # gap 10 after gemm
+        _timed_kernel("_relu2_gemm_tma_kernel", 58.0, 60.0),  # gap 8 after elementwise again
+    ]
+    t = prof.gpu_timeline(ev)
+    assert t["span_us"] == 60.0 and t["busy_us"] == 12.0 + 11.0 + 9.0 + 2.0 and t["idle_us"] == 26.0
+    assert t["gaps"] == 3
+    top = t["top_gaps"][0]
+    assert (top["before"], top["after"], top["idle_us"], top["count"]) == ("elementwise", "_relu2_gemm_tma_kernel", 16.0, 2)
+    assert t["top_gaps"][1]["before"] == "gemm" and t["top_gaps"][1]["idle_us"] == 10.0
+    assert prof.gpu_timeline([]) is None
+    report = prof.ProfileReport("t", "cuda:0", 2, Ceilings(), [], [], total_us=34.0, timeline=t)
+    md = prof.render_markdown(report)
+    assert "## GPU timeline: busy and idle" in md and "idle 0.013 ms/step in 1.5 gaps/step" in md
+    assert "| `elementwise` | `_relu2_gemm_tma_kernel` | 1 | 0.0080 |" in md
+
+
 NCU_CSV = """==PROF== Connected to process 123
 ==PROF== Profiling "kern": 0%....50%....100% - 1 pass
 "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
@@ -230,8 +263,12 @@ def test_profile_on_gpu_attributes_kernels_and_measures_ceilings(tmp_path):
     assert all(g.cost.flops > 0 and g.floor_us > 0 for g in mms)
     assert sum(g.time_us for g in report.groups) <= report.total_us * 1.01  # no kernel counted twice
     assert any(k.get("needed_bytes") for k in report.kernels)
+    t = report.timeline  # a tiny eager model on a big GPU: launch-bound, so it idles
+    assert t and 0 < t["busy_us"] < t["span_us"] and t["gaps"] > 0 and t["top_gaps"]
+    assert t["busy_us"] >= report.total_us / 2  # kernels on one stream: busy ~ sum of kernel times
     paths = prof.write_profile(report, tmp_path / "p")
     assert "## Kernels, by time" in paths["markdown"].read_text()
+    assert "## GPU timeline: busy and idle" in paths["markdown"].read_text()
 
 
 @pytest.mark.gpu

@@ -353,6 +353,42 @@ def kernel_table(events: Iterable) -> list[dict]:
     return sorted(out.values(), key=lambda r: -r["time_us"])
 
 
+def gpu_timeline(events: Iterable, top: int = 12) -> dict[str, Any] | None:
+    """Busy and idle time of the device over the profiled window, and where it idles.
+
+    Every device interval (kernels, memcpy, memset; not annotations) on any stream goes into one
+    union; ``span_us`` runs from the first start to the last end, ``busy_us`` is the union's length
+    and ``idle_us`` the rest.  Each gap is charged to the pair (kernel that ended last before it,
+    kernel that starts it), by base name: a large total at one pair points at host work between
+    two launches (Python, small ops, a sync).  Returns None without device events.  Times in µs
+    over all profiled steps."""
+    from torch.autograd import DeviceType
+
+    iv = sorted((float(e.time_range.start), float(e.time_range.end), e.name) for e in events
+                if e.device_type == DeviceType.CUDA and not _is_annotation(e))
+    if not iv:
+        return None
+    first, cur_end, prev = iv[0][0], iv[0][1], iv[0][2]
+    busy, block_start = 0.0, first
+    gaps: dict[tuple[str, str], list] = {}
+    n_gaps = 0
+    for start, end, name in iv[1:]:
+        if start > cur_end:
+            busy += cur_end - block_start
+            g = gaps.setdefault((kernel_key(prev)[:70], kernel_key(name)[:70]), [0.0, 0])
+            g[0] += start - cur_end
+            g[1] += 1
+            n_gaps += 1
+            block_start = start
+        if end >= cur_end:
+            cur_end, prev = end, name
+    busy += cur_end - block_start
+    span = cur_end - first
+    ranked = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"span_us": span, "busy_us": busy, "idle_us": span - busy, "gaps": n_gaps,
+            "top_gaps": [{"before": b, "after": a, "idle_us": us, "count": c} for (b, a), (us, c) in ranked]}
+
+
 def kernel_needed_bytes(groups: Sequence[OpGroup]) -> dict[str, float]:
     """Bytes each kernel name needs, from the modeled ops that launched it (an op's bytes split
     over its kernels in proportion to their time)."""
@@ -496,6 +532,7 @@ class ProfileReport:
     ncu: dict[str, dict] | None = None
     total_us: float = 0.0
     notes: list[str] = field(default_factory=list)
+    timeline: dict[str, Any] | None = None  # gpu_timeline() of the profiled steps
 
     def to_dict(self) -> dict[str, Any]:
         rows = []
@@ -509,7 +546,7 @@ class ProfileReport:
                          "recoverable_us": g.recoverable_us, "kernels": g.kernels, "sources": g.sources})
         return {"arm": self.arm, "device": self.device, "steps": self.steps, "ceilings": asdict(self.ceilings),
                 "total_us": self.total_us, "ops": rows, "kernels": self.kernels, "ncu": self.ncu,
-                "notes": self.notes}
+                "timeline": self.timeline, "notes": self.notes}
 
 
 def measure_ceilings(device) -> Ceilings:
@@ -572,7 +609,8 @@ def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int
     groups = group_events(events, "cuda" if on_gpu else "cpu", default_dtype, ceilings, stacks=stacks)
     kernels = kernel_table(events) if on_gpu else []
     total = sum(k["time_us"] for k in kernels) if on_gpu else sum(g.time_us for g in groups)
-    report = ProfileReport(spec.name, str(info.device), steps, ceilings, groups, kernels, total_us=total, notes=notes)
+    report = ProfileReport(spec.name, str(info.device), steps, ceilings, groups, kernels, total_us=total, notes=notes,
+                           timeline=gpu_timeline(events) if on_gpu else None)
     if on_gpu:
         need = kernel_needed_bytes(groups)
         for k in kernels:
@@ -682,6 +720,15 @@ def render_markdown(report: ProfileReport, roofline_png: str | None = None, top:
             lines.append(f"| `{r['kernel'][:90]}` | {r['launches'] / n:g} | {_fmt_bytes(r['dram_read_bytes'] / n)} "
                          f"| {_fmt_bytes(r['dram_write_bytes'] / n)} | {_fmt_bytes(meas / n)} "
                          f"| {_fmt_bytes(None if nb is None else nb / n)} | {ratio} |")
+    t = report.timeline
+    if t:
+        lines += ["", "## GPU timeline: busy and idle", "",
+                  f"Span {per(t['span_us']):.3f} ms/step, busy {per(t['busy_us']):.3f} ms/step "
+                  f"({100.0 * t['busy_us'] / t['span_us']:.1f}%), idle {per(t['idle_us']):.3f} ms/step in "
+                  f"{t['gaps'] / n:g} gaps/step (under the profiler, whose host overhead lengthens gaps).", "",
+                  "| idle after | idle before | gaps/step | idle ms/step |", "| --- | --- | ---: | ---: |"]
+        for g in t["top_gaps"]:
+            lines.append(f"| `{g['before']}` | `{g['after']}` | {g['count'] / n:g} | {per(g['idle_us']):.4f} |")
     if roofline_png:
         lines += ["", "## Roofline", "", f"![roofline]({roofline_png})"]
     return "\n".join(lines) + "\n"
