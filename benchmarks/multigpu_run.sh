@@ -84,7 +84,7 @@ for part in $parts; do
             --set train.device="$DEVICE" --set train.num_extension=1 --set train.warmup_steps=0 \
             --set train.compile=false --set train.val_every=2 --set train.val_tokens="${EQUIV_VAL_TOKENS:-2097152}" \
             --set train.grad_accum=$(( ${EQUIV_ACCUM:-8} / n )) \
-            --set train.max_docs=256 --set train.seed=7 $(extra_args) "${DATA[@]}" 2>&1 | tail -3
+            --set train.max_docs=256 --set train.seed="${EQUIV_SEED:-7}" $(extra_args) "${DATA[@]}" 2>&1 | tail -3
         done
         one=$(run_dir "$WORK/eq-$name-one"); again=$(run_dir "$WORK/eq-$name-one_again"); many=$(run_dir "$WORK/eq-$name-n$NPROC")
         python3 benchmarks/compare_runs.py "$one" "$again" --tolerance "${EQUIV_TOL:-1e-2}" --val-tolerance "${EQUIV_VAL_TOL:-1e-3}" \

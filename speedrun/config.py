@@ -83,8 +83,8 @@ class ModelConfig:
     qkv_path: str = "reference"
     # FP8 scaling of the inputs and output gradients of the FP8 MLP (kernels fp8 / fp8_full) and
     # of the packed FP8 QKV GEMM (qkv_path fused_fp8): "current" (an exact amax pass over each
-    # tensor first) or "delayed" (the previous micro-batch's amax with headroom, measured inside
-    # the quantise kernel: one read fewer per tensor).
+    # tensor first) or "delayed" (the previous optimizer step's amax over all micro-batches and
+    # ranks, with headroom, measured inside the quantise kernel: one read fewer per tensor).
     fp8_input_scaling: str = "current"
 
     @property

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speedrun.kernels.fp8_cache import E4M3, E5M2, FP8WeightCache, interpreting, quantize_current
+from speedrun.kernels.fp8_cache import E4M3, E5M2, FP8WeightCache, end_fp8_step, interpreting, quantize_current
 from speedrun.kernels.mlp import (
     MLPScaleState,
     relu2_gemm,
@@ -141,6 +141,7 @@ def _run(mode, x, w1, w2, gy, cache=None, calls=2, input_scaling="current"):
         xk.grad = w1k.grad = w2k.grad = None
         y = relu2_mlp(xk, w1k, w2k, mode=mode, cache=cache, scales=state)
         y.backward(gy)
+        end_fp8_step([state])  # as the training step does after the optimizer update
     return y.detach(), xk.grad, w1k.grad, w2k.grad, state
 
 
@@ -252,8 +253,9 @@ def test_default_gemm_impl_per_direction_and_dtype(monkeypatch):
 @needs_kernel
 @pytest.mark.parametrize("mode,bound_g", [("fp8_fwd", 8e-2), ("fp8_full", 0.12)])
 def test_delayed_input_scaling_skips_the_amax_pass(mode, bound_g, monkeypatch):
-    """Delayed scaling of x and g: the first call calibrates (current scaling), later calls quantise
-    with the previous amax x headroom and never run an amax pass; same error bounds as current."""
+    """Delayed scaling of x and g: before the first step end a call uses current scaling, later
+    calls quantise with the previous step's amax x headroom and never run an amax pass; same error
+    bounds as current."""
     from speedrun.kernels import fp8_cache
 
     x, w1, w2, gy = inputs(21)
@@ -269,6 +271,7 @@ def test_delayed_input_scaling_skips_the_amax_pass(mode, bound_g, monkeypatch):
         xk, w1k, w2k = (t.clone().requires_grad_() for t in (x, w1, w2))
         y = relu2_mlp(xk, w1k, w2k, mode=mode, cache=wc, scales=state)
         y.backward(gy)
+        end_fp8_step([state])
         want_passes = [(T, D)] + ([(T, D)] if mode == "fp8_full" else [])
         assert passes == (want_passes if call == 0 else []), (call, passes)
         passes.clear()
@@ -284,6 +287,7 @@ def test_delayed_input_scaling_skips_the_amax_pass(mode, bound_g, monkeypatch):
     errs = []
     for _ in range(3):
         errs.append(rel(relu2_mlp(x * 10, w1, w2, mode=mode, cache=wc, scales=state), relu2_mlp_reference(x * 10, w1, w2)))
+        end_fp8_step([state])
         assert state.x_amax == (x * 10).float().abs().max()
     assert errs[0] > 0.1 and errs[2] < 8e-2, errs
 
@@ -295,3 +299,32 @@ def test_input_scaling_is_validated():
     assert st.x_amax is None and not st.x_ready  # created by the calibrating first call
     with pytest.raises(ValueError, match="which must be 'x' or 'g'"):
         st.quantize_input(torch.zeros(16, 16), "y", transposed=False)
+
+
+@needs_kernel
+def test_step_synchronous_scales_are_the_same_for_every_micro_batch(monkeypatch):
+    """Within a step the scales stay fixed (whatever the micro-batch order), and the next step's
+    amax is the max over all of the step's micro-batches: what makes N ranks equal one rank."""
+    x, w1, w2, gy = inputs(23)
+    cache = FP8WeightCache()
+    cache.refresh({"w1": w1, "w2": w2})
+    wc = (cache.get("w1"), cache.get("w2"))
+    big = x * 1.2  # within the headroom: no saturation, so the amaxes are exact
+    outs = {}
+    for order in ((x, big), (big, x)):
+        state = MLPScaleState.create(DEV, input_scaling="delayed")
+        xg = x.clone().requires_grad_()
+        relu2_mlp(xg, w1, w2, mode="fp8_full", cache=wc, scales=state).backward(gy)  # step 0 (current)
+        end_fp8_step([state])
+        assert state.x_amax == x.float().abs().max()
+        ys = [relu2_mlp(t.clone().requires_grad_(), w1, w2, mode="fp8_full", cache=wc, scales=state)
+              for t in order]  # step 1
+        outs[order[0] is x] = {id(t): y for t, y in zip(order, ys)}
+        for y in ys:
+            y.backward(gy)
+        end_fp8_step([state])
+        assert state.x_amax == big.float().abs().max()  # max over the step's micro-batches
+        post = (torch.relu(big.float() @ w1.float().t()) ** 2).amax()
+        assert torch.isclose(state.post_amax, post, rtol=0.1)
+    for t in (x, big):  # each micro-batch's output does not depend on its position in the step
+        assert torch.equal(outs[True][id(t)], outs[False][id(t)])

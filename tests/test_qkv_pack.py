@@ -174,10 +174,10 @@ def test_linear_float_sa_and_current_packing():
 @needs_kernel
 @pytest.mark.parametrize("dw_fp8", [False, True], ids=["dw_bf16", "dw_fp8"])
 def test_linear_delayed_input_scaling(dw_fp8, monkeypatch):
-    """x and dy through a delayed InputScaling: the first call calibrates (current scaling), later
-    calls skip the amax pass and give the current-scaled results within the FP8 bounds."""
+    """x and dy through a delayed InputScaling: before the first step end current scaling, then
+    no amax pass, and the current-scaled results within the FP8 bounds."""
     from speedrun.kernels import fp8_cache
-    from speedrun.kernels.fp8_cache import InputScaling
+    from speedrun.kernels.fp8_cache import InputScaling, end_fp8_step
 
     qk, vo, sc = banks(6)
     g = torch.Generator().manual_seed(41)
@@ -200,6 +200,7 @@ def test_linear_delayed_input_scaling(dw_fp8, monkeypatch):
     st = InputScaling(input_scaling="delayed")
     for call in range(3):
         got = run(st)
+        end_fp8_step([st])
         assert passes == ([(T, D), (T, N)] if call == 0 else []), (call, passes)
         passes.clear()
         for a, b, bound in zip(got, want, (6e-2, 9e-2, 9e-2)):

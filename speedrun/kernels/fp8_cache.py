@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
+from typing import Sequence
 
 import torch
 import triton
@@ -403,27 +404,35 @@ INPUT_SCALINGS = ("current", "delayed")
 
 @dataclass(kw_only=True)
 class InputScaling:
-    """FP8 scaling of one layer's activation input ``x`` (e4m3) and output gradient ``g`` (e5m2).
+    """FP8 scaling of one layer's activation input ``x`` (e4m3) and output gradient ``g`` (e5m2),
+    and the step-synchronous bookkeeping of delayed scales (subclasses add their own slots).
 
     ``input_scaling="current"``: :func:`quantize_current` (an exact amax pass, then the quantise
-    kernel).  ``"delayed"``: the scale is the previous call's amax x ``input_headroom`` / FMAX and
-    the quantise kernel measures this call's amax on the way (:func:`quantize_delayed`): one read
-    of the tensor instead of two and no reduction launch; values above the scale's range saturate
-    for one call.  The first call of each tensor calibrates with current scaling.  ``x_amax`` /
-    ``g_amax`` are 0-d fp32 device tensors (created by that first call); no host sync anywhere.
-    Subclassed by per-layer state that adds its own fields (:class:`speedrun.kernels.mlp.MLPScaleState`).
+    kernel).  ``"delayed"``: the scale is ``x_amax`` (or ``g_amax``) x ``input_headroom`` / FMAX and
+    the quantise kernel max-accumulates this call's amax into ``x_acc`` (:func:`quantize_delayed`):
+    one read of the tensor instead of two and no reduction launch.
+
+    Step-synchronous: ``*_amax`` stays fixed through an optimizer step; :func:`end_fp8_step` sets
+    it to the max of ``*_acc`` over the step's calls on every rank (one max all-reduce for all
+    layers) and zeroes ``*_acc``.  So every micro-batch of a step, on any number of ranks, uses the
+    same scale, and N ranks take the same steps as one rank with accumulation.  Until a slot's
+    first step end (``*_ready`` False) it uses current scaling per call.  Values above a scale's
+    range saturate (a jump is clipped for one step).  0-d fp32 device tensors; no host sync.
     """
 
     input_scaling: str = "current"
     input_headroom: float = INPUT_HEADROOM
     x_amax: torch.Tensor | None = None
     g_amax: torch.Tensor | None = None
+    x_acc: torch.Tensor | None = None
+    g_acc: torch.Tensor | None = None
     x_ready: bool = False
     g_ready: bool = False
 
     def __post_init__(self) -> None:
         if self.input_scaling not in INPUT_SCALINGS:
             raise ValueError(f"input_scaling must be one of {INPUT_SCALINGS}, got {self.input_scaling!r}")
+        self.used: set[str] = set()  # slots that accumulated since the last step end (not a field)
 
     def state_dict(self) -> dict:
         """Every field (a subclass's too), tensors detached and cloned: a checkpoint's view."""
@@ -435,6 +444,15 @@ class InputScaling:
         configured ``input_scaling`` over a checkpoint's)."""
         return cls(**{**{k: _detached_copy(v) for k, v in state.items()}, **overrides})
 
+    def accumulator(self, slot: str, device: torch.device) -> torch.Tensor:
+        """``<slot>_acc`` (created as zeros on first use), marked as used this step."""
+        acc = getattr(self, f"{slot}_acc")
+        if acc is None:
+            acc = torch.zeros((), dtype=torch.float32, device=device)
+            setattr(self, f"{slot}_acc", acc)
+        self.used.add(slot)
+        return acc
+
     def quantize_input(self, t: torch.Tensor, which: str, *, transposed: bool):
         """Quantise ``t``: the input (``which="x"``, e4m3) or the output gradient (``"g"``, e5m2).
         Returns ``(t_fp8 (R, C), t_fp8_t (C, R) or None, scale 0-d fp32)``."""
@@ -443,17 +461,48 @@ class InputScaling:
         fp8_dtype = E4M3 if which == "x" else E5M2
         if self.input_scaling == "current":
             return quantize_current(t, fp8_dtype=fp8_dtype, transposed=transposed)
-        amax = getattr(self, f"{which}_amax")
-        if amax is None or not getattr(self, f"{which}_ready"):
+        acc = self.accumulator(which, t.device)
+        if not getattr(self, f"{which}_ready"):
             _check_one_matrix(t, fp8_dtype, "quantize_input")
-            amax = abs_max(t)  # calibration: current scaling, and its amax is the next call's
-            setattr(self, f"{which}_amax", amax)
-            setattr(self, f"{which}_ready", True)
+            amax = abs_max(t)  # before the first step end: current scaling, and its amax counts
+            torch.maximum(acc, amax, out=acc)
             return _quantize_from_amax(t, amax, fp8_dtype, transposed)
+        amax = getattr(self, f"{which}_amax")
         scale = amax.clamp_min(AMAX_FLOOR) * (self.input_headroom / FP8_MAX[fp8_dtype])
-        amax.zero_()
-        q, qt = quantize_delayed(t, scale, amax, fp8_dtype=fp8_dtype, transposed=transposed)
+        q, qt = quantize_delayed(t, scale, acc, fp8_dtype=fp8_dtype, transposed=transposed)
         return q, qt, scale
+
+    def discard_step(self) -> None:
+        """Forget this step's accumulations (after an evaluation, whose amaxes must not steer
+        training's scales)."""
+        for slot in self.used:
+            getattr(self, f"{slot}_acc").zero_()
+        self.used.clear()
+
+
+def end_fp8_step(states: Sequence[InputScaling]) -> None:
+    """Close one optimizer step of step-synchronous delayed scaling (see :class:`InputScaling`):
+    for every slot used in the step, ``amax`` <- max of its accumulator over the step's calls and,
+    under torch.distributed with several ranks, over all ranks (one all-reduce of all slots); the
+    accumulator is zeroed and the slot is ready.  Every rank must pass the same states in the same
+    order (the same model: same layers, same slots used)."""
+    slots = [(st, slot) for st in states for slot in sorted(st.used)]
+    if not slots:
+        return
+    accs = [getattr(st, f"{slot}_acc") for st, slot in slots]
+    stacked = torch.stack(accs)
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    for (st, slot), value in zip(slots, stacked.unbind()):
+        amax = getattr(st, f"{slot}_amax")
+        if amax is None:
+            setattr(st, f"{slot}_amax", value.clone())
+        else:
+            amax.copy_(value)
+        setattr(st, f"{slot}_ready", True)
+        st.used.discard(slot)
+    torch._foreach_zero_(accs)
 
 
 def quantize_current_reference(

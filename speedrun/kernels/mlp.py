@@ -25,18 +25,21 @@ Scaling per tensor (dequantisation scale s, real ~= fp8 * s):
 tensor     dtype   policy
 =========  ======  ============================================================================
 x          e4m3    current (default): s = max|x| / 448 (one amax pass over (T, 768)); or delayed
-                   (``MLPScaleState.input_scaling="delayed"``): s = amax(previous call) · 1.5 / 448,
+                   (``MLPScaleState.input_scaling="delayed"``): s = amax(previous step) · 1.5 / 448,
                    this call's amax measured by the quantise kernel, no extra pass
 w1, w2     e4m3    from :class:`~speedrun.kernels.fp8_cache.FP8WeightCache` (delayed, per update),
                    or current scaling when no cache is passed (slow path for tests/eval)
-post       e4m3    delayed: s = amax(previous call) · 1.8 / 448 (record's headroom); the up
+post       e4m3    delayed: s = amax(previous step) · 1.8 / 448 (record's headroom); the up
                    kernel measures this call's amax on the fly; values above 448·s saturate
 g          e5m2    as x (current or delayed), s = max|g| / 57344; the quantise kernel writes both layouts
-dpre       e5m2    delayed: s = amax(previous call) · 2 / 57344, measured in the dpre epilogue
+dpre       e5m2    delayed: s = amax(previous step) · 2 / 57344, measured in the dpre epilogue
 =========  ======  ============================================================================
 
-Delayed scales live in :class:`MLPScaleState` (device tensors, no host sync); its first use
-calibrates from a current measurement (one extra GEMM, once).
+Delayed scales live in :class:`MLPScaleState` (device tensors, no host sync) and are
+step-synchronous: fixed through an optimizer step, then set by
+:func:`~speedrun.kernels.fp8_cache.end_fp8_step` to the max over the step's micro-batches and ranks
+(so N ranks quantise exactly like one rank with accumulation).  Before the first step end a call
+calibrates from its own amax (one extra GEMM).
 
 Kernels.  One fused GEMM, :func:`relu2_gemm`, in two variants behind one dispatcher: a plain
 pointer-load kernel (any strides; runs in the CPU interpreter, ``TRITON_INTERPRET=1``, at small
@@ -520,13 +523,17 @@ class MLPScaleState(InputScaling):
     plus the scaling of its input x and output gradient g (:class:`InputScaling`'s fields:
     ``input_scaling="current"`` or ``"delayed"``).
 
-    ``post_amax``/``dpre_amax`` are 0-d fp32 device tensors holding the amax measured by the last
-    call; the next call's scale is ``max(amax, 1e-12) · headroom / FMAX``.  ``*_ready`` is False
-    until a first (calibrating) call has measured a real amax.
+    ``post_amax``/``dpre_amax`` are 0-d fp32 device tensors, fixed through an optimizer step; the
+    scale is ``max(amax, 1e-12) · headroom / FMAX``.  The GEMM epilogues max-accumulate each call's
+    amax into ``post_acc``/``dpre_acc``, and :func:`~speedrun.kernels.fp8_cache.end_fp8_step`
+    turns those into the next step's amax (max over micro-batches and ranks).  Until the first
+    step end (``*_ready`` False) a call calibrates: one extra GEMM measures its own amax.
     """
 
     post_amax: torch.Tensor
     dpre_amax: torch.Tensor
+    post_acc: torch.Tensor | None = None
+    dpre_acc: torch.Tensor | None = None
     post_headroom: float = POST_HEADROOM
     dpre_headroom: float = DPRE_HEADROOM
     post_ready: bool = False
@@ -607,15 +614,15 @@ class _Relu2MLP(torch.autograd.Function):
             return y
         full = mode == "fp8_full"
         xq, xqt, x_scale = state.quantize_input(x, "x", transposed=full)
-        if not state.post_ready:
+        if state.post_ready:
+            post_scale = state.post_scale()
+        else:  # before the first step end: this call's own amax (one extra GEMM)
             pre_post = relu2_gemm(xq, c1.data, a_scale=x_scale, b_scale=c1.scale).out
-            state.post_amax.copy_(pre_post.float().abs().amax())
-            state.post_ready = True
-        post_scale = state.post_scale()
-        state.post_amax.zero_()
+            amax = pre_post.float().abs().amax()
+            post_scale = amax.clamp_min(AMAX_FLOOR) * (state.post_headroom / FP8_MAX[E4M3])
         r = relu2_gemm(
             xq, c1.data, a_scale=x_scale, b_scale=c1.scale, store_out=not full, out_dtype=x.dtype,
-            q_dtype=E4M3, q_scale=post_scale, emit_transposed=full, amax=state.post_amax,
+            q_dtype=E4M3, q_scale=post_scale, emit_transposed=full, amax=state.accumulator("post", x.device),
         )
         y = scaled_mm(r.q, c2.data.t(), post_scale, c2.scale, out_dtype=x.dtype, use_fast_accum=True)
         if full:
@@ -638,15 +645,15 @@ class _Relu2MLP(torch.autograd.Function):
         xqt, x_scale, pq, pqt, p_scale, w1t, w1s, w2t, w2s = ctx.saved_tensors
         state = ctx.state
         gq, gqt, g_scale = state.quantize_input(g, "g", transposed=True)
-        if not state.dpre_ready:
+        if state.dpre_ready:
+            d_scale = state.dpre_scale()
+        else:
             d = relu2_gemm(gq, w2t, aux=pq, aux_scale=p_scale, a_scale=g_scale, b_scale=w2s).out
-            state.dpre_amax.copy_(d.float().abs().amax())
-            state.dpre_ready = True
-        d_scale = state.dpre_scale()
-        state.dpre_amax.zero_()
+            amax = d.float().abs().amax()
+            d_scale = amax.clamp_min(AMAX_FLOOR) * (state.dpre_headroom / FP8_MAX[E5M2])
         r = relu2_gemm(
             gq, w2t, aux=pq, aux_scale=p_scale, a_scale=g_scale, b_scale=w2s, store_out=False,
-            q_dtype=E5M2, q_scale=d_scale, emit_transposed=True, amax=state.dpre_amax,
+            q_dtype=E5M2, q_scale=d_scale, emit_transposed=True, amax=state.accumulator("dpre", g.device),
         )
         dtype = g.dtype
         dx = scaled_mm(r.q, w1t.t(), d_scale, w1s, out_dtype=dtype)

@@ -61,6 +61,11 @@ class FusedMLP:
         self._handles = {}
         self.prepare(layers)
 
+    def scale_states(self) -> list:
+        """Every layer's :class:`~speedrun.kernels.mlp.MLPScaleState`, in layer order (the same
+        order on every rank: :func:`~speedrun.kernels.fp8_cache.end_fp8_step` reduces them)."""
+        return [self.scales[k] for k in sorted(self.scales)]
+
     def state_dict(self) -> dict:
         """Each layer's delayed activation scales (:class:`~speedrun.kernels.mlp.MLPScaleState`)."""
         return {key: st.state_dict() for key, st in self.scales.items()}

@@ -555,6 +555,25 @@ class RecordGPT(nn.Module):
                                                 self.scalars[2 * i], num_heads=H, scale=scale)
             self._qkv_fp8_versions = self._qkv_sources_version()
 
+    def _fp8_scale_states(self) -> list:
+        states = self.mlp_impl.scale_states() if hasattr(self.mlp_impl, "scale_states") else []
+        return states + [self._qkv_inputs[j] for j in sorted(self._qkv_inputs)]
+
+    def end_fp8_step(self) -> None:
+        """Close an optimizer step of the step-synchronous FP8 activation scales (MLP post/dpre,
+        delayed x/g of the MLP and the packed QKV GEMM): next step's scales from this step's
+        amaxes, max-reduced over ranks (:func:`speedrun.kernels.fp8_cache.end_fp8_step`)."""
+        states = self._fp8_scale_states()
+        if states:
+            from speedrun.kernels.fp8_cache import end_fp8_step
+
+            end_fp8_step(states)
+
+    def discard_fp8_step(self) -> None:
+        """Drop the amaxes accumulated since the last step end (an evaluation's)."""
+        for st in self._fp8_scale_states():
+            st.discard_step()
+
     def fp8_state_dict(self) -> dict:
         """The FP8 delayed-scaling state a checkpoint needs for an exact resume: the MLP weight
         cache's and each packed QKV weight's scales, and the MLP activation scales.  Empty when

@@ -137,6 +137,9 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype) -> t
     if not recipe.grads_reduced_by_optimizer:
         distributed.all_reduce_mean_([p.grad for p in model.parameters() if p.grad is not None], info)
     recipe.optimizer_step(step)
+    end_fp8_step = getattr(model, "end_fp8_step", None)
+    if end_fp8_step is not None:  # next step's FP8 activation scales, the same on every rank
+        end_fp8_step()
     return total
 
 
@@ -166,6 +169,9 @@ def evaluate(model, val_files, cfg: RunConfig, info, dtype, per_rank: int, args:
         loss_sum += losses.double().sum()
         count += losses.numel()
     model.train(was_training)
+    discard = getattr(model, "discard_fp8_step", None)
+    if discard is not None:  # evaluation amaxes must not steer training's FP8 scales
+        discard()
     stats = torch.stack([loss_sum, torch.tensor(float(count), device=info.device, dtype=torch.float64)])
     if info.enabled:
         torch.distributed.all_reduce(stats)

@@ -19,6 +19,7 @@ from speedrun.kernels.fp8_cache import (  # noqa: E402
     E4M3,
     E5M2,
     FP8WeightCache,
+    end_fp8_step,
     StaleFP8CacheError,
     quantize_dual_layout,
     quantize_dual_layout_reference,
@@ -151,6 +152,7 @@ def test_relu2_mlp_modes_record_shape(mode, bound_y, bound_g, kernel_kind):
         xk.grad = w1k.grad = w2k.grad = None
         y = relu2_mlp(xk, w1k, w2k, mode=mode, cache=cache, scales=state)
         y.backward(gy)
+        end_fp8_step([state])
     assert torch.isfinite(y).all()
     assert rel(y, y_ref) < bound_y
     assert rel(xk.grad, xs.grad) < bound_g
@@ -242,6 +244,7 @@ def test_mlp_delayed_input_scaling_at_record_shapes(mode):
         xk, w1k, w2k = (t.clone().requires_grad_() for t in (x, w1, w2))
         y = relu2_mlp(xk, w1k, w2k, mode=mode, cache=pair, scales=state)
         y.backward(gy)
+        end_fp8_step([state])
         assert rel(y, relu2_mlp_reference(x, w1, w2)) < 8e-2
         for got, want in ((xk.grad, xs.grad), (w1k.grad, w1s.grad), (w2k.grad, w2s.grad)):
             assert rel(got, want) < (0.12 if mode == "fp8_full" else 8e-2)
