@@ -494,14 +494,13 @@ def end_fp8_step(states: Sequence[InputScaling]) -> None:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
-    for (st, slot), value in zip(slots, stacked.unbind()):
-        amax = getattr(st, f"{slot}_amax")
-        if amax is None:
-            setattr(st, f"{slot}_amax", value.clone())
-        else:
-            amax.copy_(value)
+    for st, slot in slots:
+        if getattr(st, f"{slot}_amax") is None:
+            setattr(st, f"{slot}_amax", torch.zeros_like(getattr(st, f"{slot}_acc")))
         setattr(st, f"{slot}_ready", True)
         st.used.discard(slot)
+    # Two multi-tensor kernels for all slots, not two small kernels per slot.
+    torch._foreach_copy_([getattr(st, f"{slot}_amax") for st, slot in slots], list(stacked.unbind()))
     torch._foreach_zero_(accs)
 
 
