@@ -33,6 +33,7 @@ Weight scaling policy (documented here, used by the cache):
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, fields
 from typing import Sequence
@@ -319,6 +320,12 @@ def _abs_max_kernel(x_ptr, amax_ptr, n, step, BLOCK: tl.constexpr, ITERS: tl.con
 ABS_MAX_CONFIG = (4096, 8, 4)  # BLOCK elements per iteration, num_warps, programs per SM
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (asked once: abs_max runs hundreds of times a step)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def abs_max(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` as a 0-d fp32 tensor (NaN if x holds one), read once at full bandwidth.
 
@@ -331,7 +338,8 @@ def abs_max(x: torch.Tensor) -> torch.Tensor:
     block, warps, per_sm = (1024, 1, 0) if interpreting() else ABS_MAX_CONFIG
     programs = triton.cdiv(n, block)
     if x.is_cuda:
-        programs = min(programs, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        programs = min(programs, per_sm * _sm_count(x.device.index if x.device.index is not None
+                                                      else torch.cuda.current_device()))
     else:
         programs = min(programs, 4)  # the interpreter pays per program
     step = programs * block

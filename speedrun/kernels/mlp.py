@@ -247,8 +247,6 @@ class GemmOut(NamedTuple):
     amax: torch.Tensor | None
 
 
-# Per-dtype launch configurations for sm90: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
-# The benchmark (benchmarks/bench_mlp.py --sweep) times alternatives; edit here from its numbers.
 @triton.jit
 def _relu2_epilogue_kernel(
     acc_ptr, aux_ptr, out_ptr, q_ptr, qt_ptr, amax_ptr,
@@ -275,6 +273,8 @@ def _relu2_epilogue_kernel(
     )
 
 
+# Per-dtype launch configurations for sm90: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages).
+# The benchmark (benchmarks/bench_mlp.py --sweep) times alternatives; edit here from its numbers.
 GPU_CONFIGS = {
     "bf16": (128, 256, 64, 8, 8, 3),
     "fp8": (128, 256, 128, 8, 8, 3),
@@ -305,6 +305,8 @@ def default_gemm_impl(forward: bool, fp8: bool) -> str:
     if isinstance(GEMM_IMPL, str):
         return GEMM_IMPL
     return GEMM_IMPL[("up" if forward else "dpre", fp8)]
+
+
 EPILOGUE_CONFIG = (64, 128, 8)  # BLOCK_M, BLOCK_N, num_warps of the split path's epilogue pass
 
 
@@ -545,11 +547,15 @@ class MLPScaleState(InputScaling):
         z = lambda: torch.zeros((), dtype=torch.float32, device=device)  # noqa: E731
         return cls(post_amax=z(), dpre_amax=z(), **kwargs)
 
-    def post_scale(self) -> torch.Tensor:
-        return self.post_amax.clamp_min(AMAX_FLOOR) * (self.post_headroom / FP8_MAX[E4M3])
+    def post_scale(self, amax: torch.Tensor | None = None) -> torch.Tensor:
+        """The post scale from ``amax`` (default: the step's :attr:`post_amax`) and the headroom."""
+        amax = self.post_amax if amax is None else amax
+        return amax.clamp_min(AMAX_FLOOR) * (self.post_headroom / FP8_MAX[E4M3])
 
-    def dpre_scale(self) -> torch.Tensor:
-        return self.dpre_amax.clamp_min(AMAX_FLOOR) * (self.dpre_headroom / FP8_MAX[E5M2])
+    def dpre_scale(self, amax: torch.Tensor | None = None) -> torch.Tensor:
+        """The dpre scale from ``amax`` (default: the step's :attr:`dpre_amax`) and the headroom."""
+        amax = self.dpre_amax if amax is None else amax
+        return amax.clamp_min(AMAX_FLOOR) * (self.dpre_headroom / FP8_MAX[E5M2])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -618,8 +624,7 @@ class _Relu2MLP(torch.autograd.Function):
             post_scale = state.post_scale()
         else:  # before the first step end: this call's own amax (one extra GEMM)
             pre_post = relu2_gemm(xq, c1.data, a_scale=x_scale, b_scale=c1.scale).out
-            amax = pre_post.float().abs().amax()
-            post_scale = amax.clamp_min(AMAX_FLOOR) * (state.post_headroom / FP8_MAX[E4M3])
+            post_scale = state.post_scale(pre_post.float().abs().amax())
         r = relu2_gemm(
             xq, c1.data, a_scale=x_scale, b_scale=c1.scale, store_out=not full, out_dtype=x.dtype,
             q_dtype=E4M3, q_scale=post_scale, emit_transposed=full, amax=state.accumulator("post", x.device),
@@ -649,8 +654,7 @@ class _Relu2MLP(torch.autograd.Function):
             d_scale = state.dpre_scale()
         else:
             d = relu2_gemm(gq, w2t, aux=pq, aux_scale=p_scale, a_scale=g_scale, b_scale=w2s).out
-            amax = d.float().abs().amax()
-            d_scale = amax.clamp_min(AMAX_FLOOR) * (state.dpre_headroom / FP8_MAX[E5M2])
+            d_scale = state.dpre_scale(d.float().abs().amax())
         r = relu2_gemm(
             gq, w2t, aux=pq, aux_scale=p_scale, a_scale=g_scale, b_scale=w2s, store_out=False,
             q_dtype=E5M2, q_scale=d_scale, emit_transposed=True, amax=state.accumulator("dpre", g.device),

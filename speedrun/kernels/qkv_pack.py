@@ -58,13 +58,11 @@ import triton.language as tl
 from speedrun.kernels.fp8_cache import (
     AMAX_FLOOR,
     E4M3,
-    E5M2,
     FP8_MAX,
     _fp8_bits,
     grid_constants,
     interpreting,
     InputScaling,
-    quantize_current,
     triton_usable,
 )
 from speedrun.kernels.fp8_ops import scaled_mm
@@ -335,15 +333,15 @@ def pack_qkv_fp8_reference(
 # The GEMM
 
 
+_CURRENT_SCALING = InputScaling()  # current scaling keeps no state, so one instance serves every call
+
+
 class _PackedQKVLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_qk, w_v, sa, data, data_t, scale, H, dqk, dv, dw_fp8, fast_accum, inputs):
         # inputs: the layer's InputScaling (current or delayed scaling of x and dy), or None (current)
-        ctx.inputs = inputs
-        if inputs is None:
-            xq, xqt, xs = quantize_current(x, fp8_dtype=E4M3, transposed=dw_fp8)
-        else:
-            xq, xqt, xs = inputs.quantize_input(x, "x", transposed=dw_fp8)
+        ctx.inputs = inputs = _CURRENT_SCALING if inputs is None else inputs
+        xq, xqt, xs = inputs.quantize_input(x, "x", transposed=dw_fp8)
         y = scaled_mm(xq, data.t(), xs, scale, out_dtype=x.dtype, use_fast_accum=fast_accum)
         ctx.dims = (H, dqk, dv)
         ctx.dw_fp8 = dw_fp8
@@ -363,10 +361,7 @@ class _PackedQKVLinear(torch.autograd.Function):
             xqt, xs, w_qk, w_v, sa, data_t, scale = ctx.saved_tensors
         else:
             x, w_qk, w_v, sa, data_t, scale = ctx.saved_tensors
-        if ctx.inputs is None:
-            dyq, dyqt, gs = quantize_current(dy, fp8_dtype=E5M2, transposed=ctx.dw_fp8)
-        else:
-            dyq, dyqt, gs = ctx.inputs.quantize_input(dy, "g", transposed=ctx.dw_fp8)
+        dyq, dyqt, gs = ctx.inputs.quantize_input(dy, "g", transposed=ctx.dw_fp8)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = scaled_mm(dyq, data_t.t(), gs, scale, out_dtype=dy.dtype)

@@ -390,7 +390,8 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
 
     def checkpoint(step: int) -> None:
         loaders = _gather_objects(loader.state_dict(), info)
-        # Activation scales are measured on each rank's own data: every rank's state is kept.
+        # One FP8 state per rank, each restored by its own rank (the activation scales are
+        # step-synchronous, so the ranks' copies agree).
         fp8_states = _gather_objects(_tensors_to_cpu(model.fp8_state_dict()) if hasattr(model, "fp8_state_dict")
                                      else {}, info)
         if sharded_optimizer:
