@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, doctor, benchmarks and a short GPU training, results under $OUT.
 # Usage (on the GPU machine, repo root):  bash benchmarks/device_run.sh [parts...]
-# parts: tests doctor attention kernels train record profile abloss recordrun candrun (default: the first five).
+# parts: tests doctor attention kernels train record profile ncu abloss recordrun candrun (default: the first five).
 # Webmix shards (.xz) are read from .carry/ when present.  BUDGET_S (default 570) bounds the whole
 # call: each part's timeout is cut to what is left of it, so a hung part cannot eat the call.
 set -u
@@ -44,7 +44,7 @@ for part in $parts; do
       log "attention backends, stage-3 shapes"
       timeout 300 python3 benchmarks/bench_attention.py --reps 3 2>&1 | tail -20 ;;
     kernels)
-      for b in ${BENCHES:-bench_polar_express bench_cross_entropy bench_mlp bench_qk_prep}; do
+      for b in ${BENCHES:-bench_host bench_polar_express bench_cross_entropy bench_mlp bench_qk_prep}; do
         log "$b"; timeout "$(left 200)" python3 benchmarks/$b.py 2>&1 | tail -40
       done ;;
     train)
@@ -71,7 +71,17 @@ for part in $parts; do
         timeout "$(left 300)" python3 -m speedrun profile --arm "$arm" --stage 2 --steps 2 --warmup 2 --stacks \
           --set train.max_docs=256 --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --out "/tmp/prof_$arm" --top 25 2>&1 | tail -45
         cp "/tmp/prof_$arm/profile.md" "$OUT/profile_$arm.md" 2>/dev/null
+        cp "/tmp/prof_$arm/profile.json" "$OUT/profile_$arm.json" 2>/dev/null
       done ;;
+    ncu)
+      # Measured DRAM bytes of our own Triton kernels (NCU_KERNELS regex) in one record step at stage
+      # 0 (the child process replays each profiled launch; all ~7,000 of a step take too long).
+      NCU_KERNELS=${NCU_KERNELS:-_relu2|_dual_layout|_abs_max|_ce_fwd|_transpose_bytes|_qk_prep|_pack_kernel|_xxt|_xtx|_ba_plus}
+      log "profile --ncu, ${NCU_ARM:-record}, kernels matching $NCU_KERNELS"
+      timeout "$(left 450)" python3 -m speedrun profile --arm "${NCU_ARM:-record}" --stage 0 --steps 1 --warmup 1 \
+        --ncu --ncu-kernels "$NCU_KERNELS" --ncu-launches "${NCU_LAUNCHES:-600}" --ncu-timeout "$(( $(left 450) - 30 ))" \
+        --set train.max_docs=256 --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --out /tmp/prof_ncu --top 25 2>&1 | tail -40
+      cp /tmp/prof_ncu/profile.md "$OUT/profile_ncu.md" 2>/dev/null; cp /tmp/prof_ncu/profile.json "$OUT/profile_ncu.json" 2>/dev/null ;;
     abloss)
       # AB_SEEDS: a count (0..N-1) or a list "2,3"; AB_ARMS: space-separated NAME=PRESET[:overrides].
       # Default: time-matched, i.e. the candidate gets the extra steps its faster step pays for

@@ -22,6 +22,9 @@ Patches (in train_gpt.py, plus one in triton_kernels.py; dc_triton_kernels.py is
   training shape (what our runs use: ``train.max_docs=256``), and the validation fallback
   ``T // 300`` becomes ``T // 200`` (896 -> 1408 entries for 262,144 tokens; webmix val needs 886);
 * ``nvidia-smi`` missing no longer kills the run (it is only logged);
+* optional (``--profile START:COUNT``): torch.profiler around those optimizer steps, every CUDA
+  kernel's calls and time written to ``upstream_kernels.json`` (compare with our own profile by
+  ``benchmarks/compare_kernels.py``);
 * triton_kernels.py: the FP8 MLP down projection's two scale tensors are copied into buffers of
   their own before ``torch._scaled_mm``: upstream passes views into per-layer scale buffers
   (``scales[i:i+1]``), which are not 16-byte aligned for most layers, and torch 2.11's cuBLASLt
@@ -62,6 +65,7 @@ says ~7 on first execution) before the first timed step.
 Usage:  python benchmarks/upstream_f411b3d.py --src DIR --out OUTDIR [--scheduled 105]
         [--extension 30] [--val-tokens 2097152] [--val-every 0] [--train-files GLOB]
         [--val-files GLOB] [--max-docs 256 | --max-docs 16384:128,32768:192,49152:256]
+        [--profile START:COUNT]
 """
 
 from __future__ import annotations
@@ -116,6 +120,8 @@ class BenchOptions:
     val_files: str | None = None
     max_docs: dict[int, int] = field(default_factory=lambda: {t: 256 for t in TRAIN_SHAPES})
     val_docs_divisor: int = 200
+    profile_start: int = -1  # first optimizer step (0-based) under torch.profiler; -1: none
+    profile_steps: int = 0
 
     def stage_starts(self) -> list[int]:
         """First step (0-based) of stages 1, 2, 3 and the extension, as upstream computes them."""
@@ -138,6 +144,10 @@ def validate(opts: BenchOptions) -> None:
         raise PatchError(f"--max-docs must give >= 2 entries for each of {TRAIN_SHAPES}, got {opts.max_docs}")
     if opts.val_docs_divisor < 1:
         raise PatchError("val_docs_divisor must be >= 1")
+    if opts.profile_steps:
+        total = opts.scheduled + opts.extension
+        if opts.profile_steps < 1 or not 0 <= opts.profile_start <= total - opts.profile_steps:
+            raise PatchError(f"--profile {opts.profile_start}:{opts.profile_steps}: the steps must lie in 0..{total - 1}")
 
 
 def train_patches(opts: BenchOptions) -> list[Patch]:
@@ -190,7 +200,47 @@ def train_patches(opts: BenchOptions) -> list[Patch]:
               '        return f"nvidia-smi unavailable: {e}"',
               "logging only"),
     ]
+    if opts.profile_steps:
+        patches += profile_patches(opts.profile_start, opts.profile_steps)
     return patches
+
+
+PROFILE_FILE = "upstream_kernels.json"
+
+
+def profile_patches(start: int, count: int) -> list[Patch]:
+    """torch.profiler around optimizer steps ``start .. start+count-1``; rank 0 writes every CUDA
+    kernel's calls and total µs to ``upstream_kernels.json`` in the working directory, in the
+    format of the ``kernels`` table of ``speedrun profile``'s profile.json (so
+    ``benchmarks/compare_kernels.py`` can put the two side by side).  Those steps' logged times
+    include the profiler's overhead."""
+    last = start + count - 1
+    begin = (f"    if step == {start}:  {TAG} kernel profile of steps {start}..{last}\n"
+             "        torch.cuda.synchronize()\n"
+             "        _speedrun_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,\n"
+             "                                                            torch.profiler.ProfilerActivity.CUDA])\n"
+             "        _speedrun_prof.__enter__()\n")
+    end = (f"    if step == {last}:  {TAG} end of the kernel profile\n"
+           "        torch.cuda.synchronize()\n"
+           "        _speedrun_prof.__exit__(None, None, None)\n"
+           "        if master_process:\n"
+           "            import json as _speedrun_json\n"
+           "            _speedrun_k = {}\n"
+           "            for _e in _speedrun_prof.events():\n"
+           "                if _e.device_type == torch.autograd.DeviceType.CUDA:\n"
+           "                    _r = _speedrun_k.setdefault(_e.name, {'kernel': _e.name, 'calls': 0, 'time_us': 0.0})\n"
+           "                    _r['calls'] += 1\n"
+           "                    _r['time_us'] += float(_e.time_range.elapsed_us())\n"
+           f"            with open({PROFILE_FILE!r}, 'w') as _f:\n"
+           f"                _speedrun_json.dump({{'arm': 'upstream-f411b3d', 'steps': {count}, 'first_step': {start},\n"
+           "                                     'kernels': sorted(_speedrun_k.values(), key=lambda r: -r['time_us'])}, _f)\n"
+           "        del _speedrun_prof\n")
+    train_anchor = "    # --------------- TRAINING SECTION -----------------\n"
+    step_anchor = "    model.quantize_mlp_fp8(bootstrap_down=(step < 16))\n"
+    return [
+        Patch("profile-start", train_anchor, begin + train_anchor, "per-kernel comparison with our profile"),
+        Patch("profile-stop", step_anchor, step_anchor + end, "per-kernel comparison with our profile"),
+    ]
 
 
 def aligned_copy(name: str) -> str:
@@ -338,13 +388,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--val-files", help="glob of validation shards")
     ap.add_argument("--max-docs", type=parse_max_docs, default=None,
                     help="cu_seqlens entries per training micro-batch: N for all shapes, or T:N,... (default 256)")
+    ap.add_argument("--profile", metavar="START:COUNT", type=parse_profile, default=(-1, 0),
+                    help=f"torch.profiler over steps START..START+COUNT-1; kernels to {PROFILE_FILE} (default: off)")
     return ap
+
+
+def parse_profile(spec: str) -> tuple[int, int]:
+    """``"130:2"`` -> (130, 2)."""
+    try:
+        start, count = (int(v) for v in spec.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad --profile {spec!r}: use START:COUNT, e.g. 130:2") from None
+    return start, count
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     opts = BenchOptions(scheduled=args.scheduled, extension=args.extension, val_tokens=args.val_tokens,
-                        val_every=args.val_every, train_files=args.train_files, val_files=args.val_files)
+                        val_every=args.val_every, train_files=args.train_files, val_files=args.val_files,
+                        profile_start=args.profile[0], profile_steps=args.profile[1])
     if args.max_docs is not None:
         opts.max_docs = args.max_docs
     try:

@@ -45,6 +45,7 @@ start_run() {
 collect() {
   cp "$UP/stdout.txt" "$OUT/upstream_stdout.txt" 2>/dev/null
   cp "$UP/bench_config.json" "$OUT/" 2>/dev/null
+  cp "$UP/upstream_kernels.json" "$OUT/" 2>/dev/null  # with --profile START:COUNT
   local logf
   logf=$(ls -t "$UP"/logs/*.txt 2>/dev/null | head -1)
   [ -n "$logf" ] || { log "no upstream log yet"; tail -20 "$UP/stdout.txt" 2>/dev/null; return; }

@@ -71,8 +71,11 @@ def kernels_use_references(monkeypatch):
     the interpreter would make slow.  Triton's own mode is left alone (it is fixed at import)."""
     import importlib
 
-    for name in ("fp8_cache", "mlp", "qk_prep", "qkv_pack", "cross_entropy"):
-        module = importlib.import_module(f"speedrun.kernels.{name}")
+    # Import every module before patching any: a module first imported after fp8_cache is patched
+    # would bind the patched function by name, and the undo would restore that.
+    modules = [importlib.import_module(f"speedrun.kernels.{name}")
+               for name in ("fp8_cache", "mlp", "qk_prep", "qkv_pack", "cross_entropy")]
+    for module in modules:
         monkeypatch.setattr(module, "interpreting", lambda: False)
 
 

@@ -118,3 +118,28 @@ def test_available_backends_reports_each():
     report = available_backends("cpu")
     assert report["reference"][0] and report["flex"][0]
     assert set(report) == {"reference", "flex", "varlen", "fa3"}
+
+
+def test_flex_block_mask_cache_ties_masks_to_their_tensor_and_key():
+    """The flex backend reuses a mask only for the same cu_seqlens object, length, window and
+    version: a changed or a new tensor (even with equal contents) gets its own mask."""
+    from speedrun.attention.flex import BlockMaskCache
+
+    cache = BlockMaskCache(size=3)
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    key = (9, 4, cu._version)
+    assert cache.get(cu, key) is None
+    cache.put(cu, key, "m1")
+    assert cache.get(cu, key) == "m1"
+    assert cache.get(cu, (9, None, cu._version)) is None  # other window
+    assert cache.get(cu.clone(), key) is None  # equal contents, other tensor
+    cu[1] = 6
+    assert cache.get(cu, (9, 4, cu._version)) is None  # changed in place
+    for i in range(5):  # bounded
+        cache.put(cu, (i,), i)
+    assert len(cache._entries) == 3 and cache.get(cu, (4,)) == 4 and cache.get(cu, (0,)) is None
+    other = torch.zeros(3, dtype=torch.int32)
+    cache.put(other, (1,), "o")
+    del other  # a freed tensor's entries are dropped on the next put
+    cache.put(cu, (9,), "n")
+    assert all(ref() is not None for ref, _, _ in cache._entries)

@@ -113,6 +113,38 @@ def test_fp8_weight_cache_is_used_and_never_stale():
         model.loss(batch, ARGS)
 
 
+def test_fp8_head_weight_is_quantised_once_per_update(kernels_use_references, monkeypatch):
+    """The FP8 lm_head comes from refresh_fp8_weights (one quantisation per optimizer update, not
+    one per micro-batch), gives the same loss bit for bit as quantising in the call, and an
+    in-place change of lm_head without a refresh is refused."""
+    from speedrun.kernels import cross_entropy as CE
+    from speedrun.kernels.fp8_cache import StaleFP8CacheError
+
+    model = _fp8_model()
+    batch = _batch()
+    calls = []
+    real = CE.quantize_head_weight
+    monkeypatch.setattr(CE, "quantize_head_weight", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model.refresh_fp8_weights()
+    assert len(calls) == 1 and model.head_fp8_weight() is not None
+    cached = model._head_fp8
+    model._head_fp8 = None  # the head alone quantises in the call (MLP/QKV caches stay)
+    on_the_fly = model.loss(batch, ARGS)
+    model._head_fp8 = cached
+    calls.clear()
+    for _ in range(3):  # micro-batches of one step
+        loss = model.loss(batch, ARGS)
+        loss.backward()
+        assert torch.equal(loss, on_the_fly)
+    assert not calls
+    with torch.no_grad():
+        model.lm_head.add_(0.01)  # an update without a refresh
+    with pytest.raises(StaleFP8CacheError, match="lm_head"):
+        model.loss(batch, ARGS)
+    model.refresh_fp8_weights()
+    assert len(calls) == 1 and not torch.equal(model.loss(batch, ARGS), on_the_fly)
+
+
 def test_training_refreshes_the_fp8_cache_once_per_update(tmp_path, builtin_cache, monkeypatch):
     from speedrun.config import apply_overrides
     from speedrun.train import recipes

@@ -260,6 +260,29 @@ def test_fused_bf16_head_matches_reference_autograd():
     assert rel(got[2], want[2]) < 2e-2  # dW through bf16 dlogits
 
 
+def test_fp8_head_with_a_cached_weight_is_bit_identical(kernels_use_references):
+    """The per-update quantised head weight gives the same losses and gradients, bit for bit, as
+    quantising in the call; a weight of another shape or scale, or use without FP8, is refused."""
+    from speedrun.kernels.cross_entropy import W_SCALE, quantize_head_weight
+
+    args = make_head(seed=5)
+    w = args[1]
+    cached = quantize_head_weight(w, W_SCALE)
+    assert cached.data_cm.stride() == (1, w.shape[0]) and torch.equal(
+        cached.data_cm.view(torch.uint8), cached.data.view(torch.uint8))
+    got = run_head(fused_softcapped_ce, *args, use_fp8=True, fp8_weight=cached)
+    want = run_head(fused_softcapped_ce, *args, use_fp8=True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    x, _, targets, prefix, _ = args
+    with pytest.raises(ValueError, match="does not match"):
+        fused_softcapped_ce(x, w, targets, use_fp8=True, vocab_size=VOCAB, fp8_weight=quantize_head_weight(w, 2 * W_SCALE))
+    with pytest.raises(ValueError, match="does not match"):
+        fused_softcapped_ce(x, w[:, :64].contiguous(), targets, use_fp8=True, vocab_size=64, fp8_weight=cached)
+    with pytest.raises(ValueError, match="only used with use_fp8"):
+        fused_softcapped_ce(x, w, targets, vocab_size=VOCAB, fp8_weight=cached)
+
+
 @needs_interpreter
 def test_fused_fp8_head_emulated_on_cpu():
     args = make_head(seed=2)

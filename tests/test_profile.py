@@ -221,9 +221,27 @@ def test_ncu_csv_parsing_and_command(monkeypatch, tmp_path):
     assert cmd[:3] == ["/x/ncu", "--clock-control", "none"]
     assert "dram__bytes_read.sum,dram__bytes_write.sum" in cmd and "--profile-from-start" in cmd
     assert cmd[-3:] == ["python", "-m", "m"]
+    assert "--kernel-name" not in cmd and "--launch-count" not in cmd
+    cmd = prof.ncu_command("/x/ncu", tmp_path / "o.csv", ["python"], prof.NcuOptions("_relu2|_ce_", 40))
+    i, j = cmd.index("--kernel-name"), cmd.index("--launch-count")
+    assert cmd[i + 1] == "regex:_relu2|_ce_" and cmd[j + 1] == "40" and cmd[-1] == "python"
     monkeypatch.setattr(prof.shutil, "which", lambda name: None)
     with pytest.raises(EnvironmentProblem, match="ncu"):
         prof.find_ncu()
+
+
+def test_ncu_timeout_is_a_clear_error(monkeypatch):
+    """A child that outlives --ncu-timeout is killed and the error says how to profile fewer kernels."""
+    import subprocess
+
+    def slow(cmd, **kw):
+        assert kw["timeout"] == 5
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+
+    monkeypatch.setattr(prof, "find_ncu", lambda: "/x/ncu")
+    monkeypatch.setattr(prof.subprocess, "run", slow)
+    with pytest.raises(EnvironmentProblem, match="5 s.*--ncu-kernels"):
+        prof.run_ncu("t=tiny", [], 0, 1, 0, prof.NcuOptions(timeout_s=5))
 
 
 def test_profile_cli_on_cpu_writes_markdown_png_json(tmp_path, capsys):

@@ -23,3 +23,24 @@ def test_multigpu_script_refuses_unknown_parts(tmp_path):
            "SPEEDRUN_TEST_DATA": str(tmp_path)}
     out = subprocess.run([bash, str(script), "nonsense"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert out.returncode == 2 and "unknown part nonsense" in out.stderr
+
+
+PY_BENCHES = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("bench_*.py"))
+
+
+@pytest.mark.parametrize("script", PY_BENCHES, ids=[s.name for s in PY_BENCHES])
+def test_python_benchmark_compiles(script):
+    compile(script.read_text(), str(script), "exec")
+
+
+def test_host_bench_without_a_gpu_says_so(capsys, monkeypatch):
+    import importlib.util
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = importlib.util.spec_from_file_location("bench_host", [s for s in PY_BENCHES if s.name == "bench_host.py"][0])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -8,6 +8,7 @@ modded-nanogpt's train_gpt.py, triton_kernels.py and dc_triton_kernels.py at f41
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import py_compile
 import sys
@@ -100,6 +101,41 @@ def test_aligned_copy_survives_inductor():
     assert ", 3)" not in call and ", 5)" not in call, call
 
 
+def test_profile_patch_writes_a_kernel_table(tmp_path, monkeypatch):
+    """--profile START:COUNT wraps exactly those steps in torch.profiler and rank 0 writes the
+    kernel table (run here on a stand-in loop with both anchors; no CUDA, so no kernels)."""
+    from types import SimpleNamespace
+
+    opts = up.BenchOptions(profile_start=2, profile_steps=2)
+    patches = [p for p in up.train_patches(opts) if p.name.startswith("profile-")]
+    assert [p.name for p in patches] == ["profile-start", "profile-stop"]
+    loop = ("for step in range(6):\n"
+            "    # --------------- TRAINING SECTION -----------------\n"
+            "    ran.append((step, torch.profiler.profile is not None))\n"
+            "    model.quantize_mlp_fp8(bootstrap_down=(step < 16))\n")
+    code = up.apply_patches(loop, patches, "train_gpt.py")
+    fake_torch = SimpleNamespace(cuda=SimpleNamespace(synchronize=lambda: None), profiler=torch.profiler,
+                                 autograd=torch.autograd)
+    entered = []
+    real_profile = torch.profiler.profile
+
+    def spy_profile(**kw):
+        entered.append(kw)
+        return real_profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+    monkeypatch.setattr(torch.profiler, "profile", spy_profile)
+    monkeypatch.chdir(tmp_path)
+    ns = {"torch": fake_torch, "ran": [], "master_process": True,
+          "model": SimpleNamespace(quantize_mlp_fp8=lambda bootstrap_down: None)}
+    exec(compile(code, "train_gpt.py", "exec"), ns)
+    assert len(entered) == 1 and len(ns["ran"]) == 6
+    got = json.loads((tmp_path / up.PROFILE_FILE).read_text())
+    assert got["steps"] == 2 and got["first_step"] == 2 and got["kernels"] == []
+    with pytest.raises(up.PatchError, match="--profile"):
+        up.validate(up.BenchOptions(profile_start=134, profile_steps=2))
+    assert up.parse_profile("130:2") == (130, 2)
+
+
 def test_bad_options_fail_before_any_gpu_time():
     for bad in (dict(val_tokens=1_000_000), dict(extension=1), dict(scheduled=6), dict(max_docs={16384: 256})):
         with pytest.raises(up.PatchError):
@@ -129,12 +165,13 @@ def upstream_src() -> Path:
 def test_real_upstream_patches_cleanly(upstream_src, tmp_path):
     out = tmp_path / "up"
     rc = up.main(["--src", str(upstream_src), "--out", str(out), "--train-files", "/x/webmix_train_*.bin",
-                  "--val-files", "/x/webmix_val_*.bin"])
+                  "--val-files", "/x/webmix_val_*.bin", "--profile", "130:2"])
     assert rc == 0
     assert sorted(p.name for p in out.iterdir()) == sorted([*up.UPSTREAM_FILES, "fa3_shim.py", "bench_config.json"])
     py_compile.compile(str(out / "train_gpt.py"), doraise=True)
     text = (out / "train_gpt.py").read_text()
     assert "import fa3_shim" in text and "flash_attn_interface = fa3_shim" in text
+    assert "if step == 130:" in text and "if step == 131:" in text and up.PROFILE_FILE in text
     assert f"scale_a={up.aligned_copy('activation_scale')}" in (out / "triton_kernels.py").read_text()
 
 
@@ -245,3 +282,26 @@ def test_shim_traces_without_graph_breaks(monkeypatch):
     torch._dynamo.reset()
     out = torch.compile(attn, backend="eager", fullgraph=True)(q, k, v, cu.to(torch.int32))
     assert torch.allclose(out, q * 0.1 + 32)
+
+
+# ---- kernel inventories side by side -------------------------------------------------------
+
+def test_compare_kernels_per_step_and_by_family(tmp_path, capsys):
+    cmp = _load("compare_kernels")
+    ours = {"steps": 2, "kernels": [{"kernel": "nvjet_sm90_tst_256x128", "calls": 4, "time_us": 4000.0},
+                                    {"kernel": "_relu2_gemm_tma_kernel", "calls": 2, "time_us": 3000.0},
+                                    {"kernel": "triton_poi_fused_add_0", "calls": 2, "time_us": 200.0}]}
+    theirs = {"steps": 1, "kernels": [{"kernel": "nvjet_sm90_tst_256x128", "calls": 2, "time_us": 1500.0},
+                                      {"kernel": "void pytorch_flash::flash_fwd_kernel<>", "calls": 1, "time_us": 700.0}]}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(ours))
+    b.write_text(json.dumps(theirs))
+    res = cmp.compare(cmp.load(a), cmp.load(b))
+    assert res["total_ms"] == {"ours": 3.6, "theirs": 2.2}
+    assert res["families"]["gemm (cuBLAS/CUTLASS)"] == {"ours_ms": 2.0, "theirs_ms": 1.5}
+    assert res["families"]["own triton"]["ours_ms"] == 1.5 and res["families"]["attention"]["theirs_ms"] == 0.7
+    assert res["kernels"][0]["kernel"] == "_relu2_gemm_tma_kernel" and res["kernels"][0]["ours_calls"] == 1
+    assert cmp.main([str(a), str(b), "--json", str(tmp_path / "c.json")]) == 0
+    assert "difference +1.40 ms" in capsys.readouterr().out
+    a.write_text("{}")
+    assert cmp.main([str(a), str(b)]) == 2 and "needs 'steps'" in capsys.readouterr().err

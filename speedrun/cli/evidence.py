@@ -153,12 +153,14 @@ matmul, copy bandwidth; on the CPU give --peak-tflops/--peak-tbps or get no floo
 above it ("recoverable"), ranked.  Writes profile.md, roofline.png and profile.json to --out.
 
 --ncu reruns the steps under Nsight Compute and adds measured DRAM bytes per kernel next to the
-bytes its ops need (needs 'ncu' on PATH and a GPU; slow: every kernel is replayed).
+bytes its ops need (needs 'ncu' on PATH and a GPU).  Slow: every profiled kernel is replayed
+(tens of ms each; a record step runs ~7,000 kernels), so narrow it with --ncu-kernels REGEX and
+--ncu-launches N, and bound it with --ncu-timeout S.
 
 examples:
   speedrun profile --arm tiny --steps 2 --peak-tflops 0.1 --peak-tbps 0.02      (CPU)
   speedrun profile --arm small --data 'data/fineweb10B/fineweb_train_*.bin' --steps 5 --out prof/small
-  speedrun profile --arm small --data ... --steps 2 --ncu
+  speedrun profile --arm record --data ... --steps 1 --ncu --ncu-kernels '_relu2|_dual_layout|_ce_'
 """
 
 
@@ -236,6 +238,10 @@ def _add_profile(sub) -> None:
     p.add_argument("--peak-tbps", type=float, help="memory ceiling in TB/s (instead of measuring)")
     p.add_argument("--no-measure", action="store_true", help="do not measure ceilings on the GPU")
     p.add_argument("--ncu", action="store_true", help="also measure DRAM bytes per kernel with Nsight Compute")
+    p.add_argument("--ncu-kernels", metavar="REGEX",
+                   help="with --ncu: only kernels whose name matches (e.g. '_relu2|_dual_layout|_ce_')")
+    p.add_argument("--ncu-launches", type=int, metavar="N", help="with --ncu: stop after N profiled launches")
+    p.add_argument("--ncu-timeout", type=float, metavar="S", help="with --ncu: give up after S seconds (clear error)")
     p.add_argument("--stacks", action="store_true",
                    help="record Python stacks: name the source line behind each op row (slower profiling)")
     p.add_argument("--top", type=int, default=30, help="rows per table on screen (default 30)")

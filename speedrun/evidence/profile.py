@@ -27,6 +27,7 @@ the measured DRAM bytes of each kernel with the bytes its ops need.
 from __future__ import annotations
 
 import csv
+import gc
 import io
 import json
 import math
@@ -455,10 +456,29 @@ def parse_ncu_csv(text: str) -> dict[str, dict]:
     return out
 
 
-def ncu_command(ncu: str, log_file: Path, child: list[str]) -> list[str]:
-    """The ncu command line that measures DRAM bytes of every kernel between cudaProfilerStart/Stop."""
+@dataclass(frozen=True)
+class NcuOptions:
+    """What Nsight Compute measures.  ncu replays every kernel it profiles (tens of ms each), so a
+    record step (~7,000 kernels) takes many minutes: ``kernel_regex`` keeps kernels whose name
+    matches (ncu ``--kernel-name regex:``; e.g. ``_relu2|_dual_layout|_ce_`` for our Triton
+    kernels), ``max_launches`` stops after that many profiled launches, ``timeout_s`` bounds the
+    whole child run (seconds)."""
+
+    kernel_regex: str | None = None
+    max_launches: int | None = None
+    timeout_s: float | None = None
+
+
+def ncu_command(ncu: str, log_file: Path, child: list[str], options: NcuOptions = NcuOptions()) -> list[str]:
+    """The ncu command line that measures DRAM bytes of the kernels run between
+    cudaProfilerStart/Stop (all of them, or those ``options`` selects)."""
+    select = []
+    if options.kernel_regex:
+        select += ["--kernel-name", "regex:" + options.kernel_regex]
+    if options.max_launches:
+        select += ["--launch-count", str(options.max_launches)]
     return [ncu, "--clock-control", "none", "--metrics", ",".join(NCU_METRICS), "--csv", "--print-units", "base",
-            "--profile-from-start", "off", "--target-processes", "all", "--log-file", str(log_file), *child]
+            "--profile-from-start", "off", "--target-processes", "all", *select, "--log-file", str(log_file), *child]
 
 
 def find_ncu() -> str:
@@ -471,8 +491,10 @@ def find_ncu() -> str:
     return exe
 
 
-def run_ncu(arm_spec: str, common: Sequence[str], stage: int, steps: int, warmup: int) -> dict[str, dict]:
-    """Run the same steps in a child process under ncu; returns :func:`parse_ncu_csv` of its CSV."""
+def run_ncu(arm_spec: str, common: Sequence[str], stage: int, steps: int, warmup: int,
+            options: NcuOptions = NcuOptions()) -> dict[str, dict]:
+    """Run the same steps in a child process under ncu; returns :func:`parse_ncu_csv` of its CSV.
+    The caller should have released its own GPU memory: the child builds the model again."""
     from speedrun.errors import EnvironmentProblem
 
     ncu = find_ncu()
@@ -481,7 +503,18 @@ def run_ncu(arm_spec: str, common: Sequence[str], stage: int, steps: int, warmup
         child = [sys.executable, "-m", "speedrun.evidence.profile", "--ncu-child",
                  json.dumps({"arm": arm_spec, "common": list(common), "stage": stage, "steps": steps,
                              "warmup": warmup})]
-        proc = subprocess.run(ncu_command(ncu, log, child), capture_output=True, text=True)
+        what = "every kernel" if not (options.kernel_regex or options.max_launches) else \
+            f"kernels matching {options.kernel_regex or '.*'!r}, at most {options.max_launches or 'all'} launches"
+        print(f"ncu: replaying {what} of {steps} step(s) in a child process"
+              + (f" (timeout {options.timeout_s:g} s)" if options.timeout_s else ""), file=sys.stderr, flush=True)
+        try:
+            proc = subprocess.run(ncu_command(ncu, log, child, options), capture_output=True, text=True,
+                                  timeout=options.timeout_s)
+        except subprocess.TimeoutExpired:
+            raise EnvironmentProblem(
+                f"ncu did not finish in {options.timeout_s:g} s (it replays every profiled kernel); profile "
+                "fewer: --ncu-kernels REGEX (e.g. '_relu2|_dual_layout|_ce_'), --ncu-launches N, or --steps 1"
+            ) from None
         text = log.read_text() if log.exists() else ""
         if '"ID"' not in text:  # some ncu versions keep the CSV on stdout
             text = proc.stdout or text
@@ -558,11 +591,12 @@ def measure_ceilings(device) -> Ceilings:
 
 def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int = 3, warmup: int = 2,
                   ceilings: Ceilings | None = None, measure: bool = True, ncu: bool = False,
-                  stacks: bool = False) -> ProfileReport:
+                  stacks: bool = False, ncu_options: NcuOptions | None = None) -> ProfileReport:
     """Profile ``steps`` optimizer steps of ``arm`` (an ArmSpec or ``NAME=PRESET[:overrides]``).
 
     Ceilings: ``ceilings`` if given, else measured on a GPU when ``measure``, else none (then no
-    floors).  ``ncu``: also measure DRAM bytes per kernel under Nsight Compute (GPU only).
+    floors).  ``ncu``: also measure DRAM bytes per kernel under Nsight Compute (GPU only), with
+    ``ncu_options`` (which kernels, how many launches, timeout).
     ``stacks``: record Python stacks, so each op group names the line that called it (slower).
     """
     import torch
@@ -616,7 +650,16 @@ def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int
         for k in kernels:
             k["needed_bytes"] = need.get(k["kernel"])
     if ncu:
-        report.ncu = run_ncu(str(spec), common, stage, steps, warmup)
+        # The child builds its own model: give it this process's GPU memory first.
+        del session, prof, events
+        gc.collect()
+        torch.cuda.empty_cache()
+        opts = ncu_options or NcuOptions()
+        report.ncu = run_ncu(str(spec), common, stage, steps, warmup, opts)
+        if opts.kernel_regex or opts.max_launches:
+            report.notes.append(f"ncu measured only kernels matching {opts.kernel_regex or '.*'!r}"
+                                f"{f', the first {opts.max_launches} launches' if opts.max_launches else ''}: "
+                                "its per-step columns count those launches only")
     distributed.teardown()
     return report
 
@@ -805,7 +848,8 @@ def cli_profile(args) -> int:
         raise ConfigError("give both --peak-tflops and --peak-tbps, or neither")
     ceilings = Ceilings(*given, "given") if given[0] is not None else None
     report = profile_steps(arm, common=common, stage=args.stage, steps=args.steps, warmup=args.warmup,
-                           ceilings=ceilings, measure=not args.no_measure, ncu=args.ncu, stacks=args.stacks)
+                           ceilings=ceilings, measure=not args.no_measure, ncu=args.ncu, stacks=args.stacks,
+                           ncu_options=NcuOptions(args.ncu_kernels, args.ncu_launches, args.ncu_timeout))
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     paths = write_profile(report, args.out or f"profile-{arm.name}")

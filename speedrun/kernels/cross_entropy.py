@@ -54,6 +54,8 @@ make the kernel equal to the autograd gradient of the reference loss.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Sequence
 
 import torch
@@ -75,6 +77,8 @@ __all__ = [
     "softcapped_ce_fwd_bwd",
     "softcapped_ce_fwd_bwd_reference",
     "FusedSoftcappedCE",
+    "HeadFP8Weight",
+    "quantize_head_weight",
     "fused_softcapped_ce",
     "fused_softcapped_ce_reference",
     "softcapped_ce_eval",
@@ -666,6 +670,27 @@ def _ce_impl(backend: str, device: torch.device):
     raise ValueError(f"ce_backend must be 'auto', 'triton' or 'reference', got {backend!r}")
 
 
+@dataclass(frozen=True)
+class HeadFP8Weight:
+    """The FP8 head weight of one optimizer update (static scale, so it depends on the weight only).
+
+    ``data``: (D, V_pad) e4m3 row-major (the dX GEMM's operand); ``data_cm``: the same values as a
+    (D, V_pad) column-major view of a (V_pad, D) buffer (the forward GEMM's B); ``scale``: the real
+    value of one e4m3 unit (``w_scale``).  Made by :func:`quantize_head_weight`."""
+
+    data: torch.Tensor
+    data_cm: torch.Tensor
+    scale: float
+
+
+def quantize_head_weight(weight: torch.Tensor, w_scale: float = W_SCALE) -> HeadFP8Weight:
+    """Quantise the head weight (D, V_pad) once, in both layouts, exactly as the FP8 head's forward
+    does per call.  The model caches it per optimizer update: 8 micro-batches then quantise the
+    (768, 50304) weight once instead of 8 times (4 passes over it each)."""
+    w_f8 = quantize_tensorwise(weight.detach(), float(w_scale), torch.float8_e4m3fn)
+    return HeadFP8Weight(w_f8, w_f8.t().contiguous().t(), float(w_scale))
+
+
 class FusedSoftcappedCE(torch.autograd.Function):
     """Autograd Function behind :func:`fused_softcapped_ce` (positional arguments in its order)."""
 
@@ -685,13 +710,16 @@ class FusedSoftcappedCE(torch.autograd.Function):
         w_scale,
         grad_unit_scale,
         ce_backend,
+        fp8_weight,
     ):
         ce = _ce_impl(ce_backend, x.device)
         if use_fp8:
             x_f8 = quantize_tensorwise(x, x_scale, torch.float8_e4m3fn)
-            w_f8 = quantize_tensorwise(weight, w_scale, torch.float8_e4m3fn)  # (D, V) row-major
-            # FP8 tensor cores want B column-major: one transposed copy of the quantised weight.
-            logits = scaled_mm(x_f8, w_f8.t().contiguous().t(), x_scale, w_scale, torch.bfloat16, use_fast_accum=True)
+            if fp8_weight is None:
+                fp8_weight = quantize_head_weight(weight, w_scale)
+            w_f8 = fp8_weight.data  # (D, V) row-major
+            # FP8 tensor cores want B column-major: the cached transposed copy.
+            logits = scaled_mm(x_f8, fp8_weight.data_cm, x_scale, w_scale, torch.bfloat16, use_fast_accum=True)
             losses, dlogits = ce(
                 logits, targets, mtp_weights, prefix_targets, prefix_weight, softcap=softcap,
                 vocab_size=vocab_size, grad_out_scale=1.0 / grad_unit_scale, grad_dtype=torch.float8_e5m2,
@@ -734,7 +762,7 @@ class FusedSoftcappedCE(torch.autograd.Function):
                 dx = ((dlogits @ w_saved.t()).float() * go).to(x.dtype)
             if ctx.needs_input_grad[1]:
                 dw = ((x.float() * go).to(x.dtype).t() @ dlogits).to(ctx.weight_dtype)
-        return dx, dw, None, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def fused_softcapped_ce(
@@ -752,6 +780,7 @@ def fused_softcapped_ce(
     w_scale: float = W_SCALE,
     grad_unit_scale: float = GRAD_UNIT_SCALE,
     ce_backend: str = "auto",
+    fp8_weight: HeadFP8Weight | None = None,
 ) -> torch.Tensor:
     """Training loss head: per-token losses (N,) fp32 from hidden states ``x`` and head ``weight``.
 
@@ -766,9 +795,17 @@ def fused_softcapped_ce(
     N=49152), so backward is only the dX and dW GEMMs; ``grad_output`` is honoured per row.
     Gradients flow to ``x`` and ``weight`` only.  ``ce_backend``: "triton" (the fused kernel),
     "reference" (its PyTorch reference, for tests) or "auto" (Triton on CUDA and under
-    ``TRITON_INTERPRET=1``, else the reference).
+    ``TRITON_INTERPRET=1``, else the reference).  ``fp8_weight``: ``weight`` already quantised by
+    :func:`quantize_head_weight` (with ``w_scale``) for this optimizer update, or None to quantise
+    it in this call; the caller guarantees it represents ``weight`` (gradients still go to ``weight``).
     """
     vocab_size = _check_head_inputs(x, weight, vocab_size)
+    if fp8_weight is not None:
+        if not use_fp8:
+            raise ValueError("fused_softcapped_ce: fp8_weight is only used with use_fp8=True")
+        if tuple(fp8_weight.data.shape) != tuple(weight.shape) or fp8_weight.scale != float(w_scale):
+            raise ValueError(f"fused_softcapped_ce: fp8_weight {tuple(fp8_weight.data.shape)} with scale "
+                             f"{fp8_weight.scale} does not match weight {tuple(weight.shape)} with w_scale {w_scale}")
     _check_softcap(softcap)
     if use_fp8 and x.device.type == "cuda":
         n, d = x.shape
@@ -779,7 +816,7 @@ def fused_softcapped_ce(
     softcap = None if softcap is None else tuple(float(v) for v in softcap)
     return FusedSoftcappedCE.apply(
         x, weight, targets, mtp_weights, prefix_targets, prefix_weight, bool(use_fp8), vocab_size,
-        softcap, float(x_scale), float(w_scale), float(grad_unit_scale), ce_backend,
+        softcap, float(x_scale), float(w_scale), float(grad_unit_scale), ce_backend, fp8_weight,
     )
 
 

@@ -11,7 +11,8 @@ Modes (``ModelConfig.kernels``):
 The MLP keeps one :class:`~speedrun.kernels.mlp.MLPScaleState` per layer (delayed activation
 scales) and takes its FP8 weights from the model's per-update cache
 (:meth:`RecordGPT.refresh_fp8_weights`); before the first refresh (a bare forward outside
-training) it quantises them on the call with current scaling.  The kernels want bf16
+training) it quantises them on the call with current scaling.  The FP8 head takes its quantised
+weight from the same refresh (``RecordGPT.head_fp8_weight``).  The kernels want bf16
 activations: fp32 inputs (CPU runs) are cast to bf16 around the call and back.  The record's
 softmax runs over the padded vocabulary, so the head passes ``vocab_size=None``.
 """
@@ -26,10 +27,15 @@ MODES = ("reference", "triton", "fp8", "fp8_full")
 
 
 class FusedHead:
-    """``ce_impl`` with the signature of ``record_parts.softcapped_mtp_ce``."""
+    """``ce_impl`` with the signature of ``record_parts.softcapped_mtp_ce``.
 
-    def __init__(self, use_fp8: bool):
+    ``fp8_weight``: a callable returning the model's per-update
+    :class:`~speedrun.kernels.cross_entropy.HeadFP8Weight` of ``lm_head`` (or None before the first
+    refresh: the call quantises the weight itself)."""
+
+    def __init__(self, use_fp8: bool, fp8_weight=None):
         self.use_fp8 = use_fp8
+        self.fp8_weight = fp8_weight
 
     def __call__(self, h, lm_head, targets, mtp_weights, prefix_targets, prefix_weight, *, softcap):
         from speedrun.kernels.cross_entropy import fused_softcapped_ce
@@ -37,8 +43,10 @@ class FusedHead:
         dtype = torch.bfloat16 if (self.use_fp8 or h.device.type == "cuda") else h.dtype
         x = h.to(dtype).contiguous()
         w = lm_head.to(dtype).contiguous()
+        cached = self.fp8_weight() if (self.use_fp8 and self.fp8_weight is not None) else None
         return fused_softcapped_ce(x, w, targets, tuple(float(m) for m in mtp_weights), prefix_targets,
-                                   float(prefix_weight), use_fp8=self.use_fp8, vocab_size=None, softcap=softcap)
+                                   float(prefix_weight), use_fp8=self.use_fp8, vocab_size=None, softcap=softcap,
+                                   fp8_weight=cached)
 
 
 class FusedMLP:
@@ -138,7 +146,7 @@ def install_kernels(model, mode: str, input_scaling: str = "current") -> None:
         raise ConfigError(f"model.kernels={mode!r}; known: {', '.join(MODES)}")
     if mode == "reference":
         return
-    model.ce_impl = FusedHead(use_fp8=mode != "triton")
+    model.ce_impl = FusedHead(use_fp8=mode != "triton", fp8_weight=getattr(model, "head_fp8_weight", None))
     model.mlp_impl = FusedMLP({"triton": "bf16", "fp8": "fp8_fwd", "fp8_full": "fp8_full"}[mode],
                               weights=getattr(model, "mlp_fp8_weights", None), input_scaling=input_scaling)
     model.mlp_impl.prepare(range(getattr(model, "num_layers", 0)))

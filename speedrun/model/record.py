@@ -313,6 +313,7 @@ class RecordGPT(nn.Module):
         self.mlp_impl = relu2_mlp_plain
         self.dc_impl = dc_postonly_correction
         self._mlp_fp8 = None  # FP8WeightCache of mlp_bank, refreshed once per optimizer update
+        self._head_fp8 = None  # (HeadFP8Weight of lm_head, lm_head._version at the refresh)
         self._qkv_fp8: dict[int, object] = {}  # attention index -> PackedQKV, same cadence
         self._qkv_inputs: dict[int, object] = {}  # attention index -> InputScaling of x and dy
         self._qkv_replay: dict[int, torch.Tensor] = {}  # raw scales the next refresh reuses (resume)
@@ -531,8 +532,10 @@ class RecordGPT(nn.Module):
         after a bootstrap (:class:`~speedrun.kernels.fp8_cache.FP8WeightCache`).  Attention
         (``qkv_path=fused_fp8``): one packed [q|k|v] FP8 weight per layer, read straight from the
         Q/K and V/O banks with ``sa_lambda`` folded into its scale, delayed-scaled from the previous
-        update's amax once the first update has measured one.  A forward that finds the weights
-        changed since the last refresh raises instead of using stale FP8 copies."""
+        update's amax once the first update has measured one.  FP8 head: ``lm_head`` in both e4m3
+        layouts (static scale), so the micro-batches of a step quantise it once instead of each.
+        A forward that finds the weights changed since the last refresh raises instead of using
+        stale FP8 copies."""
         if self.cfg.kernels in ("fp8", "fp8_full"):
             from speedrun.kernels.fp8_cache import FP8WeightCache
 
@@ -540,6 +543,12 @@ class RecordGPT(nn.Module):
                 self._mlp_fp8 = FP8WeightCache()
             L = self.num_layers
             self._mlp_fp8.refresh({"fc": self.mlp_bank[:L, 0], "proj": self.mlp_bank[:L, 1]})
+        if getattr(self.ce_impl, "use_fp8", False):
+            from speedrun.kernels.cross_entropy import W_SCALE, quantize_head_weight
+
+            # As FusedHead feeds the head: bf16, so the cached bits equal a per-call quantisation.
+            w = self.lm_head.to(torch.bfloat16).contiguous()
+            self._head_fp8 = (quantize_head_weight(w, W_SCALE), self.lm_head._version)
         if self.cfg.qkv_path == "fused_fp8":
             from speedrun.kernels.qkv_pack import delayed_scale, pack_qkv_fp8
 
@@ -629,6 +638,20 @@ class RecordGPT(nn.Module):
         if self._mlp_fp8 is None:
             return None
         return self._mlp_fp8.get("fc")[layer], self._mlp_fp8.get("proj")[layer].t()
+
+    def head_fp8_weight(self):
+        """The FP8 lm_head of this optimizer update (:func:`~speedrun.kernels.cross_entropy.quantize_head_weight`),
+        or None before the first refresh.  Raises StaleFP8CacheError if lm_head was changed in place
+        (through autograd-visible ops, e.g. a checkpoint load) since the refresh."""
+        if self._head_fp8 is None:
+            return None
+        weight, version = self._head_fp8
+        if self.lm_head._version != version:
+            from speedrun.kernels.fp8_cache import StaleFP8CacheError
+
+            raise StaleFP8CacheError("FP8 lm_head read after lm_head changed; call refresh_fp8_weights() once per "
+                                     "optimizer update")
+        return weight
 
     def qkv_fp8_weight(self, j: int):
         """The packed FP8 QKV weight of attention layer ``j`` (None before the first refresh)."""
