@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, doctor, benchmarks and a short GPU training, results under $OUT.
 # Usage (on the GPU machine, repo root):  bash benchmarks/device_run.sh [parts...]
-# parts: tests doctor attention kernels train record profile ncu abloss recordrun candrun (default: the first five).
+# parts: tests doctor attention kernels train record profile ncu abloss recordrun candrun fullrun
+# (default: the first five).
 # Webmix shards (.xz) are read from .carry/ when present.  BUDGET_S (default 570) bounds the whole
 # call: each part's timeout is cut to what is left of it, so a hung part cannot eat the call.
 set -u
@@ -102,6 +103,30 @@ for part in $parts; do
       cat /tmp/ab/README.md 2>/dev/null | head -40 ;;
     recordrun) short_run record 570 ;;
     candrun) short_run candidate 570 ;;
+    fullrun)
+      # The full-length schedule (record: 1285 steps, ~5 min of compile + ~13 min of training on one
+      # H200) outlives one 10-minute call: it runs in its own session, and the same part in the next
+      # call (machine still warm, i.e. called again within the idle release) waits for that run
+      # instead of starting another.  FULL_PRESET (default record), FULL_SET (extra --set values,
+      # space-separated), FULL_DIR (default /tmp/fullrun; rm -rf it to start over).
+      FD=${FULL_DIR:-/tmp/fullrun}; FP=${FULL_PRESET:-record}
+      if [ ! -e "$FD/started" ]; then
+        mkdir -p "$FD"; touch "$FD/started"
+        sets="--set train.max_docs=256"; for kv in ${FULL_SET:-}; do sets="$sets --set $kv"; done
+        log "full-length $FP run started in $FD"
+        (cd "$PWD" && setsid nohup bash -c "python3 -m speedrun train --preset $FP --out $FD/runs --name $FP-full \
+            --data '$SPEEDRUN_TEST_DATA/webmix_train_*.bin' --val-data '$SPEEDRUN_TEST_DATA/webmix_val_*.bin' \
+            $sets --quiet > $FD/stdout.txt 2>&1; echo \$? > $FD/rc" < /dev/null > /dev/null 2>&1 &)
+      else
+        log "full-length run in $FD started earlier: waiting for it"
+      fi
+      end=$(( $(date +%s) + $(left ${WAIT_S:-560}) ))
+      while [ ! -e "$FD/rc" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 10; done
+      logf=$(ls -t "$FD"/runs/*/log.txt 2>/dev/null | head -1)
+      [ -n "$logf" ] && cp "$logf" "$OUT/${FP}_full_log.txt" && grep -v "train_time" "$logf" | tail -15
+      [ -n "$logf" ] && tail -2 "$logf"
+      if [ -e "$FD/rc" ]; then log "full-length run finished, exit status $(cat "$FD/rc")"; tail -20 "$FD/stdout.txt"
+      else log "full-length run still going: call this part again (within the idle release) to keep waiting"; fi ;;
   esac
 done
 log done
