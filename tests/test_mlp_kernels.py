@@ -301,6 +301,31 @@ def test_input_scaling_is_validated():
         st.quantize_input(torch.zeros(16, 16), "y", transposed=False)
 
 
+def test_step_scales_are_made_once_per_step():
+    """A delayed scale is computed once per step (its two small kernels run once, not per call) and
+    follows every change of its amax: the step end's copy, an in-place change, a new tensor."""
+    from speedrun.kernels.fp8_cache import AMAX_FLOOR, E4M3, E5M2, FP8_MAX
+
+    st = MLPScaleState.create("cpu", input_scaling="delayed")
+    st.post_amax.fill_(3.0)
+    first = st.post_scale()
+    assert st.post_scale() is first and torch.equal(first, torch.tensor(3.0) * (st.post_headroom / FP8_MAX[E4M3]))
+    assert st.post_scale(torch.tensor(6.0)) is not first  # an explicit amax is never cached
+    st.accumulator("post", "cpu").fill_(5.0)
+    st.used.add("post")
+    end_fp8_step([st])
+    assert torch.equal(st.post_scale(), torch.tensor(5.0) * (st.post_headroom / FP8_MAX[E4M3]))
+    st.post_amax.zero_()  # in place: the floor applies
+    assert torch.equal(st.post_scale(), torch.tensor(AMAX_FLOOR) * (st.post_headroom / FP8_MAX[E4M3]))
+    st.dpre_amax = torch.tensor(2.0)  # a new tensor (e.g. a loaded state)
+    assert torch.equal(st.dpre_scale(), torch.tensor(2.0) * (st.dpre_headroom / FP8_MAX[E5M2]))
+    st.g_amax, st.g_ready = torch.tensor(4.0), True
+    g = torch.randn(32, 16, dtype=torch.bfloat16)
+    _, _, gs = st.quantize_input(g, "g", transposed=False)
+    assert st.quantize_input(g, "g", transposed=False)[2] is gs
+    assert torch.equal(gs, torch.tensor(4.0) * (st.input_headroom / FP8_MAX[E5M2]))
+
+
 @needs_kernel
 def test_step_synchronous_scales_are_the_same_for_every_micro_batch(monkeypatch):
     """Within a step the scales stay fixed (whatever the micro-batch order), and the next step's

@@ -441,6 +441,21 @@ class InputScaling:
         if self.input_scaling not in INPUT_SCALINGS:
             raise ValueError(f"input_scaling must be one of {INPUT_SCALINGS}, got {self.input_scaling!r}")
         self.used: set[str] = set()  # slots that accumulated since the last step end (not a field)
+        # slot -> (amax tensor, its version, scale): the step's scale, made once (not a field)
+        self._step_scales: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def step_scale(self, slot: str, headroom: float, fmax: float) -> torch.Tensor:
+        """The scale of ``slot`` for this step, ``max(<slot>_amax, 1e-12) * headroom / fmax`` (0-d
+        fp32).  The amax is fixed through a step, so the two small kernels that compute the scale
+        run once per step instead of once per call: the result is kept until the amax tensor is
+        replaced or changed in place (its version counter moves, as :func:`end_fp8_step`'s copy does)."""
+        amax = getattr(self, f"{slot}_amax")
+        hit = self._step_scales.get(slot)
+        if hit is not None and hit[0] is amax and hit[1] == amax._version:
+            return hit[2]
+        scale = amax.clamp_min(AMAX_FLOOR) * (headroom / fmax)
+        self._step_scales[slot] = (amax, amax._version, scale)
+        return scale
 
     def state_dict(self) -> dict:
         """Every field (a subclass's too), tensors detached and cloned: a checkpoint's view."""
@@ -475,8 +490,7 @@ class InputScaling:
             amax = abs_max(t)  # before the first step end: current scaling, and its amax counts
             torch.maximum(acc, amax, out=acc)
             return _quantize_from_amax(t, amax, fp8_dtype, transposed)
-        amax = getattr(self, f"{which}_amax")
-        scale = amax.clamp_min(AMAX_FLOOR) * (self.input_headroom / FP8_MAX[fp8_dtype])
+        scale = self.step_scale(which, self.input_headroom, FP8_MAX[fp8_dtype])
         q, qt = quantize_delayed(t, scale, acc, fp8_dtype=fp8_dtype, transposed=transposed)
         return q, qt, scale
 

@@ -548,13 +548,17 @@ class MLPScaleState(InputScaling):
         return cls(post_amax=z(), dpre_amax=z(), **kwargs)
 
     def post_scale(self, amax: torch.Tensor | None = None) -> torch.Tensor:
-        """The post scale from ``amax`` (default: the step's :attr:`post_amax`) and the headroom."""
-        amax = self.post_amax if amax is None else amax
+        """The post scale from ``amax`` (default: the step's :attr:`post_amax`, computed once per
+        step) and the headroom."""
+        if amax is None:
+            return self.step_scale("post", self.post_headroom, FP8_MAX[E4M3])
         return amax.clamp_min(AMAX_FLOOR) * (self.post_headroom / FP8_MAX[E4M3])
 
     def dpre_scale(self, amax: torch.Tensor | None = None) -> torch.Tensor:
-        """The dpre scale from ``amax`` (default: the step's :attr:`dpre_amax`) and the headroom."""
-        amax = self.dpre_amax if amax is None else amax
+        """The dpre scale from ``amax`` (default: the step's :attr:`dpre_amax`, computed once per
+        step) and the headroom."""
+        if amax is None:
+            return self.step_scale("dpre", self.dpre_headroom, FP8_MAX[E5M2])
         return amax.clamp_min(AMAX_FLOOR) * (self.dpre_headroom / FP8_MAX[E5M2])
 
 
