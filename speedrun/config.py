@@ -183,6 +183,9 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "auto"  # "bf16" | "fp32" | "auto" (bf16 on CUDA, fp32 on CPU)
     compile: bool = False
+    # Inductor's C++ wrapper: launches the compiled network's kernels from C++ instead of Python
+    # (less host time per launch; longer compile).  An experiment arm, off by default.
+    compile_cpp_wrapper: bool = False
     preflight: bool = False  # run `speedrun doctor` checks first and refuse a broken environment
     sample_tokens: int = 200
     sample_prompt: str = "The "

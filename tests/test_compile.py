@@ -8,6 +8,7 @@ models compile with ``fullgraph=True``; these tests trace them with the ``aot_ea
 Triton kernels under the interpreter here."""
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -136,3 +137,42 @@ def test_compile_model_compiles_what_training_calls(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.setdefault("fn", fn) and fn)
     assert compile_model(model, cfg) is model
     assert seen["fn"] == model.hidden and model._hidden_fn is not None
+
+
+def test_compile_cpp_wrapper_option_reaches_torch_compile(monkeypatch):
+    from speedrun.config import preset
+    from speedrun.errors import ConfigError
+    from speedrun.train.loop import compile_model
+
+    cfg = preset("tiny-record")
+    cfg.train.compile, cfg.train.compile_cpp_wrapper = True, True
+    model = RecordGPT(ModelConfig(vocab_size=257, num_layers=6, model_dim=32, num_heads=2, qk_head_dim=16,
+                                  v_head_dim=16, architecture="record"))
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.update(kw) or fn)
+    compile_model(model, cfg)
+    assert seen["options"] == {"cpp_wrapper": True} and seen["fullgraph"] is True
+    cfg.train.compile = False
+    with pytest.raises(ConfigError, match="compile_cpp_wrapper needs train.compile"):
+        compile_model(model, cfg)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")
+def test_opaque_ops_run_under_inductors_cpp_wrapper():
+    """Inductor's C++ wrapper calls our opaque ops (one real output each way, the case that
+    crashed it before the trailing empty output; pytorch/pytorch#190551) with eager's results."""
+    h = opaque.register(opaque.OpaqueKernel(
+        name="scale2", forward=lambda ctx, ins: [ins[0] * 2], backward=lambda ctx, gs: [gs[0] * 2],
+        out_specs=lambda ins: [(tuple(ins[0].shape), ins[0].dtype)], diff=(True,)))
+
+    def f(x):
+        return opaque.call(h, [torch.sin(x) + 1])[0].cos().sum()
+
+    compiled = torch.compile(f, fullgraph=True, options={"cpp_wrapper": True})
+    x = torch.randn(16, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = compiled(x), f(x2)
+    y.backward()
+    y2.backward()
+    torch.testing.assert_close(y, y2)
+    torch.testing.assert_close(x.grad, x2.grad)

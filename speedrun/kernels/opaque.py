@@ -20,7 +20,10 @@ without a backward leaves its state behind: the training step clears the stacks 
 (:func:`clear_pending`), and a stack deeper than ``MAX_PENDING`` drops its oldest entry.
 
 Outputs and input gradients are contiguous and have the shapes and dtypes the shape functions
-promise (checked at run time): Inductor plans memory from those promises.
+promise (checked at run time): Inductor plans memory from those promises.  Both ops return one
+extra empty tensor after the real results (dropped by :func:`call` and the backward): Inductor's
+C++ wrapper (``train.compile_cpp_wrapper``) crashes on a custom op whose ``Tensor[]`` result has a
+single element (pytorch/pytorch#190551), and the MLP's op has one output.
 """
 
 from __future__ import annotations
@@ -89,7 +92,12 @@ def call(handle: int, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     if len(inputs) != len(kernel.diff):
         raise ValueError(f"{kernel.name}: {len(inputs)} inputs, registered with {len(kernel.diff)}")
     keep = torch.is_grad_enabled() and any(t.requires_grad for t, d in zip(inputs, kernel.diff) if d)
-    return torch.ops.speedrun.opaque_fwd(list(inputs), handle, keep)
+    return torch.ops.speedrun.opaque_fwd(list(inputs), handle, keep)[:-1]
+
+
+def _with_marker(outs: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """``outs`` plus the trailing empty tensor every opaque op returns (see the module docstring)."""
+    return outs + [torch.empty(0, device=device)]
 
 
 def _unalias(outs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -128,13 +136,14 @@ def _opaque_fwd(inputs: list[torch.Tensor], handle: int, keep: bool) -> list[tor
         stack.append(ctx)
         if len(stack) > MAX_PENDING:
             del stack[0]
-    return outs
+    return _with_marker(outs, inputs[0].device)
 
 
 @_opaque_fwd.register_fake
 def _(inputs, handle, keep):
     dev = inputs[0].device
-    return [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in _KERNELS[handle].out_specs(list(inputs))]
+    return _with_marker([torch.empty(shape, dtype=dtype, device=dev)
+                         for shape, dtype in _KERNELS[handle].out_specs(list(inputs))], dev)
 
 
 def _encode_meta(tensors) -> list[int]:
@@ -171,13 +180,13 @@ def _opaque_bwd(grads: list[torch.Tensor], handle: int, meta: list[int]) -> list
         res.append(torch.zeros(shape, dtype=dtype, device=grads[0].device) if g is None
                    else _conform(kernel, g, shape, dtype, f"gradient {i}"))
     res = _unalias(res, grads)
-    return res
+    return _with_marker(res, grads[0].device)
 
 
 @_opaque_bwd.register_fake
 def _(grads, handle, meta):
     dev = grads[0].device
-    return [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in _decode_meta(meta)]
+    return _with_marker([torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in _decode_meta(meta)], dev)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -185,14 +194,15 @@ def _setup_context(ctx, inputs, output) -> None:
     kernel = _KERNELS[handle]
     ctx.handle = handle
     ctx.meta = _encode_meta([t for t, d in zip(tensors, kernel.diff) if d])
-    ctx.out_specs = [(tuple(o.shape), o.dtype, o.device) for o in output]
+    ctx.out_specs = [(tuple(o.shape), o.dtype, o.device) for o in output[:-1]]
 
 
 def _backward(ctx, grads):
     kernel = _KERNELS[ctx.handle]
+    # zip stops at the real outputs: the marker's gradient (always None) is dropped
     grads = [torch.zeros(shape, dtype=dtype, device=dev) if g is None else g.contiguous()
              for g, (shape, dtype, dev) in zip(grads, ctx.out_specs)]
-    diff_grads = iter(torch.ops.speedrun.opaque_bwd(grads, ctx.handle, ctx.meta))
+    diff_grads = iter(torch.ops.speedrun.opaque_bwd(grads, ctx.handle, ctx.meta)[:-1])
     return [next(diff_grads) if d else None for d in kernel.diff], None, None
 
 

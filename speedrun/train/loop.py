@@ -199,11 +199,15 @@ def compile_model(model, cfg: RunConfig):
 
     ``torch.compile(model)`` would compile only ``forward``, while training calls ``loss`` and
     ``per_token_loss``; the models instead compile their body themselves (``compile_body``),
-    shapes static (one graph per stage shape, made in the warmup)."""
+    shapes static (one graph per stage shape, made in the warmup).  ``train.compile_cpp_wrapper``
+    adds Inductor's ``cpp_wrapper`` option."""
     if cfg.train.compile:
         if not hasattr(model, "compile_body"):
             raise ConfigError(f"{type(model).__name__} has no compile_body(); set train.compile=false")
-        model.compile_body(dynamic=False)
+        extra = {"options": {"cpp_wrapper": True}} if cfg.train.compile_cpp_wrapper else {}
+        model.compile_body(dynamic=False, **extra)
+    elif cfg.train.compile_cpp_wrapper:
+        raise ConfigError("train.compile_cpp_wrapper needs train.compile=true")
     return model
 
 
