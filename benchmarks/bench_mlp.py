@@ -34,19 +34,11 @@ def _bench(fn, rep_ms=200):
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
 
 
-def _host_ms(fn, calls=5):
-    """Milliseconds of host time per ``fn()`` call (Python, argument checks, kernel launches),
-    timed while a ``torch.cuda._sleep`` spin keeps the GPU busy, so no launch waits for the GPU.
-    A path that synchronises shows up as roughly the length of the spin (~0.5 s)."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU clock cycles
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    ms = (time.perf_counter() - t0) / calls * 1e3
-    torch.cuda.synchronize()
-    return ms
+def _host_ms(fn) -> float:
+    """Milliseconds of host time per ``fn()`` call, timed while the GPU spins (bench_host.host_us)."""
+    from bench_host import host_us  # a sibling script: benchmarks/ is on sys.path when run
+
+    return host_us(fn)[0] / 1e3
 
 
 def _tflops(flop, ms):

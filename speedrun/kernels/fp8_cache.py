@@ -321,9 +321,14 @@ ABS_MAX_CONFIG = (4096, 8, 4)  # BLOCK elements per iteration, num_warps, progra
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    """Streaming multiprocessors of a CUDA device (asked once: abs_max runs hundreds of times a step)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, asked once per device (the kernel launchers
+    that size persistent grids by it run hundreds of times a step)."""
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def abs_max(x: torch.Tensor) -> torch.Tensor:
@@ -338,8 +343,7 @@ def abs_max(x: torch.Tensor) -> torch.Tensor:
     block, warps, per_sm = (1024, 1, 0) if interpreting() else ABS_MAX_CONFIG
     programs = triton.cdiv(n, block)
     if x.is_cuda:
-        programs = min(programs, per_sm * _sm_count(x.device.index if x.device.index is not None
-                                                      else torch.cuda.current_device()))
+        programs = min(programs, per_sm * sm_count(x.device))
     else:
         programs = min(programs, 4)  # the interpreter pays per program
     step = programs * block
@@ -402,6 +406,12 @@ def quantize_delayed(
     return q, (qt if transposed else None)
 
 
+def headroom_scale(amax: torch.Tensor, headroom: float, fmax: float) -> torch.Tensor:
+    """The delayed-scaling formula every FP8 cache and state uses: ``max(amax, 1e-12) * headroom /
+    fmax`` (elementwise; amax fp32)."""
+    return amax.clamp_min(AMAX_FLOOR) * (headroom / fmax)
+
+
 def _detached_copy(v):
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
@@ -453,7 +463,7 @@ class InputScaling:
         hit = self._step_scales.get(slot)
         if hit is not None and hit[0] is amax and hit[1] == amax._version:
             return hit[2]
-        scale = amax.clamp_min(AMAX_FLOOR) * (headroom / fmax)
+        scale = headroom_scale(amax, headroom, fmax)
         self._step_scales[slot] = (amax, amax._version, scale)
         return scale
 
@@ -644,7 +654,7 @@ class FP8WeightCache:
                 amax_now = w.detach().abs().amax(dim=(-2, -1)).float()
                 scale = amax_now.clamp_min(AMAX_FLOOR) / fmax
             else:
-                scale = self._amax[name].clamp_min(AMAX_FLOOR) * (self.headroom / fmax)
+                scale = headroom_scale(self._amax[name], self.headroom, fmax)
             out = prev.data if prev is not None else None
             out_t = prev.data_t if prev is not None else None
             amax = torch.zeros(tuple(w.shape[:-2]), dtype=torch.float32, device=w.device)

@@ -66,7 +66,6 @@ import triton
 import triton.language as tl
 
 from speedrun.kernels.fp8_cache import (
-    AMAX_FLOOR,
     E4M3,
     E5M2,
     FP8_MAX,
@@ -75,9 +74,11 @@ from speedrun.kernels.fp8_cache import (
     _fp8_bits_hw,
     _round_to_grid,
     grid_constants,
+    headroom_scale,
     interpreting,
     InputScaling,
     quantize_current,
+    sm_count,
     triton_usable,
 )
 from speedrun.kernels.fp8_ops import scaled_mm  # torch._scaled_mm on sm89+, exact fp32 emulation elsewhere
@@ -455,7 +456,7 @@ def relu2_gemm(
         bm, bn, bk, gm, warps, stages = TMA_CONFIGS.get(key + "_fwd" if aux is None else key, TMA_CONFIGS[key])
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        sms = sm_count(a.device)
         grid = (min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
         _relu2_gemm_tma_kernel[grid](
             TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]), *ptrs,
@@ -552,14 +553,14 @@ class MLPScaleState(InputScaling):
         step) and the headroom."""
         if amax is None:
             return self.step_scale("post", self.post_headroom, FP8_MAX[E4M3])
-        return amax.clamp_min(AMAX_FLOOR) * (self.post_headroom / FP8_MAX[E4M3])
+        return headroom_scale(amax, self.post_headroom, FP8_MAX[E4M3])
 
     def dpre_scale(self, amax: torch.Tensor | None = None) -> torch.Tensor:
         """The dpre scale from ``amax`` (default: the step's :attr:`dpre_amax`, computed once per
         step) and the headroom."""
         if amax is None:
             return self.step_scale("dpre", self.dpre_headroom, FP8_MAX[E5M2])
-        return amax.clamp_min(AMAX_FLOOR) * (self.dpre_headroom / FP8_MAX[E5M2])
+        return headroom_scale(amax, self.dpre_headroom, FP8_MAX[E5M2])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -243,16 +243,6 @@ TUNED_CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int, int, int]] =
 # True: always use the record's H100 configs instead of the occupancy rule below.
 USE_RECORD_CONFIGS = False
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def _config(reduce_dim: int, kind: str, elem_bytes: int = 2,
             key: tuple[str, int, int, int] | None = None,
             device: torch.device | None = None) -> tuple[int, int, int, int, int]:
@@ -277,9 +267,11 @@ def _config(reduce_dim: int, kind: str, elem_bytes: int = 2,
         if kind == "ba_plus_caa" or reduce_dim == 768:
             return 128, 128, 64, 4, 8
         return 64, 128, 128, 4, 8
+    from speedrun.kernels.fp8_cache import sm_count  # here: this module imports without Triton
+
     _, batch, n_out, _ = key
     big_tiles = batch * (-(-n_out // 128)) ** 2
-    if big_tiles < _sm_count(device):
+    if big_tiles < sm_count(device):
         return 64, 64, 128, 3, 4
     return 128, 128, 64, 3, 8
 

@@ -61,6 +61,7 @@ from speedrun.kernels.fp8_cache import (
     FP8_MAX,
     _fp8_bits,
     grid_constants,
+    headroom_scale,
     interpreting,
     InputScaling,
     triton_usable,
@@ -139,7 +140,7 @@ def packed_weight_reference(w_qk: torch.Tensor, w_v: torch.Tensor, num_heads: in
 
 def delayed_scale(amax: torch.Tensor, headroom: float = WEIGHT_HEADROOM) -> torch.Tensor:
     """Raw weight scale for the next update from the amax the pack kernel measured: 0-d fp32."""
-    return amax.float().clamp_min(AMAX_FLOOR) * (headroom / FP8_MAX[E4M3])
+    return headroom_scale(amax.float(), headroom, FP8_MAX[E4M3])
 
 
 @dataclass(frozen=True)
