@@ -18,11 +18,13 @@ import re
 import sys
 from pathlib import Path
 
-FAMILIES = (  # first match wins
-    ("own triton", re.compile(r"^_[a-z0-9_]+kernel$")),  # named _..._kernel (ours and upstream's own)
-    ("gemm (cuBLAS/CUTLASS)", re.compile(r"nvjet|cutlass|gemm|sm90_xmma|splitKreduce|cublas", re.I)),
+FAMILIES = (  # first match wins: flash kernels name cutlass:: types, so attention precedes gemm
     ("attention", re.compile(r"flash|fmha|attention", re.I)),
     ("inductor triton", re.compile(r"^triton_(poi|red|per|tem)_")),
+    # a bare identifier ending in "kernel": a hand-written Triton kernel (ours: _relu2_gemm_tma_kernel,
+    # upstream's: linear_relu_square_kernel); CUDA library kernels carry namespaces or templates
+    ("own triton", re.compile(r"^[A-Za-z_][A-Za-z0-9_]*kernel$", re.I)),
+    ("gemm (cuBLAS/CUTLASS)", re.compile(r"nvjet|cutlass|gemm|sm90_xmma|splitKreduce|cublas", re.I)),
     ("torch elementwise/copy", re.compile(r"at::native|elementwise|copy|Memcpy|Memset|reduce_kernel", re.I)),
 )
 

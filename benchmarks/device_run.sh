@@ -45,7 +45,7 @@ for part in $parts; do
       log "attention backends, stage-3 shapes"
       timeout 300 python3 benchmarks/bench_attention.py --reps 3 2>&1 | tail -20 ;;
     kernels)
-      for b in ${BENCHES:-bench_host bench_polar_express bench_cross_entropy bench_mlp bench_qk_prep}; do
+      for b in ${BENCHES:-bench_host bench_rotary bench_polar_express bench_cross_entropy bench_mlp bench_qk_prep}; do
         log "$b"; timeout "$(left 200)" python3 benchmarks/$b.py 2>&1 | tail -40
       done ;;
     train)

@@ -274,3 +274,52 @@ def test_abs_max_special_values_and_fallbacks():
     y = torch.randn(64, 48).bfloat16()
     assert torch.equal(abs_max(y.t()), abs_max_reference(y))  # non-contiguous: the reference path
     assert abs_max(torch.empty(0)) == 0
+
+
+# ---- static and row-scaled quantisation (the FP8 LM head's x and its weight-gradient operand) ----
+
+
+@needs_kernel
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+def test_static_and_row_scaled_quantise_match_their_references_bit_for_bit(fp8_dtype):
+    from speedrun.kernels.fp8_cache import (
+        quantize_rows_scaled_t, quantize_rows_scaled_t_reference, quantize_static, quantize_static_reference)
+
+    fmax = FP8_MAX[fp8_dtype]
+    for seed in range(2):  # fresh inputs each round
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(48, 160, generator=g) * 3).to(DEV).bfloat16()
+        x[0, :4] = torch.tensor([1e4, -1e4, 1e-30, 0.0])  # saturation both ways, underflow, zero
+        scale = torch.tensor(0.7 / fmax * 3, device=DEV)
+        q = quantize_static(x, scale, fp8_dtype=fp8_dtype)
+        assert q.dtype == fp8_dtype and q.shape == x.shape
+        assert torch.equal(_bits(q), _bits(quantize_static_reference(x, scale, fp8_dtype=fp8_dtype)))
+        assert q[0, 0].float() == fmax and q[0, 1].float() == -fmax
+        rows = torch.randn(48, generator=g).to(DEV) * torch.logspace(-3, 3, 48).to(DEV)
+        rows[5] = 0.0
+        rows[6] = -rows[6]
+        qt = quantize_rows_scaled_t(x, rows, scale, fp8_dtype=fp8_dtype)
+        ref = quantize_rows_scaled_t_reference(x, rows, scale, fp8_dtype=fp8_dtype)
+        assert qt.shape == (160, 48) and qt.is_contiguous()
+        assert torch.equal(_bits(qt), _bits(ref))
+        assert (qt[:, 5].float() == 0).all()
+        # the values: the transposed, row-scaled, saturated quantisation of x
+        want = ((x.float() * rows[:, None]) / scale).clamp(-fmax, fmax)
+        assert torch.allclose(qt.float().t(), want, rtol=0.13, atol=2 ** -9 if fp8_dtype == E4M3 else 2 ** -16)
+
+
+def test_static_and_row_scaled_quantise_refuse_bad_inputs():
+    from speedrun.kernels.fp8_cache import quantize_rows_scaled_t, quantize_static
+
+    x = torch.randn(32, 48).bfloat16()
+    s = torch.tensor(0.01)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        quantize_static(torch.randn(30, 48).bfloat16(), s)
+    with pytest.raises(ValueError, match="one .R, C. matrix"):
+        quantize_static(torch.randn(2, 32, 48).bfloat16(), torch.tensor([0.1, 0.1]))
+    with pytest.raises(ValueError, match=r"row_scale must be a contiguous fp32 \(32,\)"):
+        quantize_rows_scaled_t(x, torch.ones(31), s)
+    with pytest.raises(ValueError, match="row_scale must be a contiguous fp32"):
+        quantize_rows_scaled_t(x, torch.ones(32, dtype=torch.float64), s)
+    with pytest.raises(ValueError, match="scale must be an fp32 tensor"):
+        quantize_rows_scaled_t(x, torch.ones(32), 0.01)

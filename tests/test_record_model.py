@@ -328,6 +328,49 @@ def test_yarn_apply_and_paired_positions():
     assert y.rope_dims == 8 and torch.equal(y.rotate(x)[..., 8:], x[..., 8:])  # stationary half
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_factor_rotation_equals_the_sliced_reference_bitwise(dtype):
+    """The elementwise rotation (factor tables, pair swap) gives apply_rotary's bits: the same fp32
+    products and sums, stationary dims untouched; paired and key-offset forms too; gradients of the
+    two forms agree.  Poisoned stationary values (1e30) would turn into inf/NaN if any were scaled."""
+    from speedrun.model.rotary import rotate_with_factors, rotary_factors, shift_stationary_keys
+
+    y = Yarn(16, 0.5, 1024.0, attn_scale=0.1)
+    y.apply(384, 896)  # non-trivial frequencies
+    T, H, D = 7, 4, 16
+    x = torch.randn(T, H, D).to(dtype)
+    x[..., 12] = 1e30
+    cos, sin = y.tables(2 * T, "cpu")
+    assert torch.equal(y.rotate(x), apply_rotary(x, cos, sin))
+    even = apply_rotary(x[:, 0::2], cos[0 : 2 * T : 2], sin[0 : 2 * T : 2])
+    odd = apply_rotary(x[:, 1::2], cos[1 : 2 * T : 2], sin[1 : 2 * T : 2])
+    assert torch.equal(y.rotate_paired(x), torch.stack((even, odd), dim=2).flatten(1, 2))
+    r = y.rope_dims
+    shifted = torch.cat((x[:1, :, r:], x[:-1, :, r:]))
+    assert torch.equal(shift_stationary_keys(x, r), torch.cat((x[:, :, :r], shifted), dim=-1))
+    assert torch.equal(shift_stationary_keys(x[:1], r), x[:1])
+    # gradients (both compute in fp32): the transposed rotation, to fp32 rounding
+    xg = torch.randn(T, H, D, requires_grad=True)
+    g = torch.randn(T, H, D)
+    fc, fs = rotary_factors(cos, sin, D)
+    (gx,) = torch.autograd.grad((rotate_with_factors(xg, fc[:T, None], fs[:T, None]) * g).sum(), xg)
+    (gr,) = torch.autograd.grad((apply_rotary(xg, cos, sin) * g).sum(), xg)
+    assert torch.allclose(gx, gr, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(gx, g, rtol=1e-3)  # the rotation is not the identity
+
+
+def test_rotation_rejects_a_width_it_has_no_tables_for():
+    y = Yarn(16, 0.5, 1024.0)
+    with pytest.raises(ValueError, match=r"expected x \(T, H, 16\)"):
+        y.rotate(torch.randn(3, 2, 12))
+    with pytest.raises(ValueError, match="even number of heads"):
+        y.rotate_paired(torch.randn(3, 3, 16))
+    from speedrun.model.rotary import rotary_factors
+
+    with pytest.raises(ValueError, match="even head_dim"):
+        rotary_factors(torch.zeros(4, 5), torch.zeros(4, 5), 8)
+
+
 def test_prefix_table_from_mappings_and_byte_tokenizer():
     mapping = {b"a": 0, b"ab": 1, b"abc": 2, b"b": 3, b"abd": 4, b"xyz": 5}
     assert build_prefix_table(mapping, 8).tolist() == [-1, 0, 1, -1, 1, -1, -1, -1]

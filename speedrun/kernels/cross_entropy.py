@@ -55,7 +55,6 @@ make the kernel equal to the autograd gradient of the reference loss.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Sequence
 
 import torch
@@ -64,7 +63,7 @@ import triton
 import triton.language as tl
 
 from speedrun.errors import DataError
-from speedrun.kernels.fp8_cache import interpreting
+from speedrun.kernels.fp8_cache import interpreting, quantize_rows_scaled_t, quantize_static
 from speedrun.kernels.fp8_ops import quantize_tensorwise, scaled_mm, to_scale_tensor
 
 __all__ = [
@@ -691,6 +690,39 @@ def quantize_head_weight(weight: torch.Tensor, w_scale: float = W_SCALE) -> Head
     return HeadFP8Weight(w_f8, w_f8.t().contiguous().t(), float(w_scale))
 
 
+_SCALE_TENSORS: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def _static_scale(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-d fp32 tensor holding the static ``value`` on ``device``, made once (not a fill kernel
+    per call)."""
+    key = (float(value), torch.device(device))
+    t = _SCALE_TENSORS.get(key)
+    if t is None:
+        t = _SCALE_TENSORS[key] = to_scale_tensor(float(value), key[1])
+    return t
+
+
+def _fp8_kernel_shape(x: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.shape[0] % 16 == 0 and x.shape[1] % 16 == 0 and x.is_contiguous()
+
+
+def _quantize_x(x: torch.Tensor, x_scale: float) -> torch.Tensor:
+    """e4m3 x (N, D) with the head's static scale: one Triton pass (:func:`quantize_static`) where
+    the shape allows (N, D multiples of 16), else the eager ``quantize_tensorwise``."""
+    if _fp8_kernel_shape(x):
+        return quantize_static(x, _static_scale(x_scale, x.device))
+    return quantize_tensorwise(x, x_scale, torch.float8_e4m3fn)
+
+
+def _quantize_rows_scaled_x_t(x: torch.Tensor, go: torch.Tensor, xg_scale: torch.Tensor) -> torch.Tensor:
+    """``((x ⊙ go) / xg_scale)ᵀ`` as contiguous e4m3 (D, N): one Triton pass
+    (:func:`quantize_rows_scaled_t`) where the shape allows, else eager ops.  go: (N, 1) fp32."""
+    if _fp8_kernel_shape(x):
+        return quantize_rows_scaled_t(x, go.reshape(-1).contiguous(), xg_scale.reshape(()))
+    return quantize_tensorwise((x.float() * go).t(), xg_scale, torch.float8_e4m3fn).contiguous()
+
+
 class FusedSoftcappedCE(torch.autograd.Function):
     """Autograd Function behind :func:`fused_softcapped_ce` (positional arguments in its order)."""
 
@@ -714,7 +746,7 @@ class FusedSoftcappedCE(torch.autograd.Function):
     ):
         ce = _ce_impl(ce_backend, x.device)
         if use_fp8:
-            x_f8 = quantize_tensorwise(x, x_scale, torch.float8_e4m3fn)
+            x_f8 = _quantize_x(x, x_scale)
             if fp8_weight is None:
                 fp8_weight = quantize_head_weight(weight, w_scale)
             w_f8 = fp8_weight.data  # (D, V) row-major
@@ -754,7 +786,7 @@ class FusedSoftcappedCE(torch.autograd.Function):
                 # the forward quantisation when grad_output is uniform (the usual loss.sum()*c).
                 amax = go.abs().amax().clamp_min(1e-30)
                 xg_scale = amax * x_scale
-                xg_t = quantize_tensorwise((x.float() * go).t(), xg_scale, torch.float8_e4m3fn).contiguous()
+                xg_t = _quantize_rows_scaled_x_t(x, go, xg_scale)
                 d_col = transpose_fp8(dlogits).t()
                 dw = scaled_mm(xg_t, d_col, xg_scale, g_unit, ctx.weight_dtype, use_fast_accum=False)
         else:

@@ -130,17 +130,19 @@ def grid_constants(dtype: torch.dtype) -> dict:
 
 @triton.jit
 def _dual_layout_kernel(
-    w_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr,
+    w_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, row_scale_ptr,
     R, C, stride_wb, stride_wr,
     SCALE_PER_MATRIX: tl.constexpr, FMAX: tl.constexpr, FP8_E5M2: tl.constexpr, STORE_T: tl.constexpr,
-    SCALE_FROM_AMAX: tl.constexpr, AMAX_FLOOR_C: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr, AMAX_FLOOR_C: tl.constexpr, ROW_SCALE: tl.constexpr, STORE_Q: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     EXACT_CASTS: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, SUB_C: tl.constexpr, MIN_NORMAL: tl.constexpr,
 ):
     """SCALE_FROM_AMAX (current scaling of one matrix): ``amax_ptr`` is an input holding the
     measured max |w| and ``scale_ptr`` an output, ``s = max(amax, floor) / FMAX`` computed here
     (saves the two tiny torch kernels that computed it, and the atomic amax this pass would repeat);
-    otherwise ``scale_ptr`` is an input and max |w| is max-accumulated into ``amax_ptr``."""
+    otherwise ``scale_ptr`` is an input and max |w| is max-accumulated into ``amax_ptr``.
+    ROW_SCALE: each row is first multiplied by ``row_scale_ptr[row]`` (fp32), and the amax is of
+    the scaled rows; STORE_Q False skips the row-major output (transposed layout only)."""
     pid = tl.program_id(0)
     b = tl.program_id(1)
     tiles_c = tl.cdiv(C, BLOCK_C)
@@ -149,6 +151,8 @@ def _dual_layout_kernel(
     mask = (offs_r[:, None] < R) & (offs_c[None, :] < C)
     w = tl.load(w_ptr + b * stride_wb + offs_r[:, None] * stride_wr + offs_c[None, :], mask=mask, other=0.0)
     w = w.to(tl.float32)
+    if ROW_SCALE:
+        w = w * tl.load(row_scale_ptr + offs_r, mask=offs_r < R, other=0.0)[:, None]
     if SCALE_FROM_AMAX:
         a = tl.load(amax_ptr)
         # torch's clamp_min propagates NaN; so does this (a NaN input gives NaN payload and scale).
@@ -165,7 +169,8 @@ def _dual_layout_kernel(
     else:
         q = _fp8_bits_hw(qf, FP8_E5M2)
     base = b.to(tl.int64) * R * C
-    tl.store(q_ptr + base + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
+    if STORE_Q:
+        tl.store(q_ptr + base + offs_r[:, None] * C + offs_c[None, :], q, mask=mask)
     if STORE_T:
         # Same tile, transposed addressing: the compiler stages it through shared memory so the
         # (C, R) writes stay coalesced.
@@ -196,7 +201,7 @@ def _check_quant_args(w: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dty
         )
 
 
-def _alloc(w, fp8_dtype, out, out_t, amax, transposed=True):
+def _alloc(w, fp8_dtype, out, out_t, amax, transposed=True, check_out=True):
     R, C = w.shape[-2:]
     lead = tuple(w.shape[:-2])
     if out is None:
@@ -206,7 +211,7 @@ def _alloc(w, fp8_dtype, out, out_t, amax, transposed=True):
         out_t = torch.empty(lead + (C, R) if transposed else (0,), dtype=fp8_dtype, device=w.device)
     if amax is None:
         amax = torch.zeros(lead, dtype=torch.float32, device=w.device)
-    checks = [(out, lead + (R, C), "out")] + ([(out_t, lead + (C, R), "out_t")] if transposed else [])
+    checks = ([(out, lead + (R, C), "out")] if check_out else []) + ([(out_t, lead + (C, R), "out_t")] if transposed else [])
     for t, shape, what in checks:
         if tuple(t.shape) != shape or t.dtype != fp8_dtype or not t.is_contiguous():
             raise ValueError(f"{what} must be a contiguous {fp8_dtype} tensor of shape {shape}, got {t.dtype} {tuple(t.shape)}")
@@ -264,16 +269,76 @@ def quantize_dual_layout_reference(
     return out, out_t, amax
 
 
+def quantize_static(x: torch.Tensor, scale: torch.Tensor, *, fp8_dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """Row-major FP8 copy of one matrix with a scale chosen in advance (static or delayed): one
+    read, one Triton launch (eager torch needs four kernels and fp32 temporaries).
+
+    x: (R, C) row-major bf16/fp16/fp32, R and C multiples of 16; scale: 0-d fp32.  Values beyond
+    ``FMAX * scale`` saturate.  Returns (R, C) FP8, the bits of :func:`quantize_static_reference`."""
+    _check_quant_args(x, scale, fp8_dtype, "quantize_static")
+    _check_one_matrix(x, fp8_dtype, "quantize_static")
+    return _quantize(x, scale, fp8_dtype, transposed=False)[0]
+
+
+def quantize_static_reference(x: torch.Tensor, scale: torch.Tensor, *, fp8_dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """Plain-PyTorch reference of :func:`quantize_static` (same signature, same bits)."""
+    _check_quant_args(x, scale, fp8_dtype, "quantize_static_reference")
+    _check_one_matrix(x, fp8_dtype, "quantize_static_reference")
+    return quantize_dual_layout_reference(x, scale, fp8_dtype=fp8_dtype)[0]
+
+
+def quantize_rows_scaled_t(
+    x: torch.Tensor, row_scale: torch.Tensor, scale: torch.Tensor, *, fp8_dtype: torch.dtype = E4M3
+) -> torch.Tensor:
+    """The transposed FP8 layout of row-scaled x, ``((x * row_scale[:, None]) / scale)ᵀ``, from one
+    read of x (Triton): what a weight-gradient GEMM ``(x ⊙ g)ᵀ @ dY`` wants when each row carries
+    its own output-gradient factor (the LM head's per-token loss gradient).
+
+    x: (R, C) row-major bf16/fp16/fp32, R and C multiples of 16; row_scale: (R,) fp32;
+    scale: 0-d fp32.  Returns (C, R) contiguous FP8, the bits of
+    :func:`quantize_rows_scaled_t_reference`."""
+    _check_rows_scaled(x, row_scale, scale, fp8_dtype, "quantize_rows_scaled_t")
+    if not triton_usable(x):
+        return quantize_rows_scaled_t_reference(x, row_scale, scale, fp8_dtype=fp8_dtype)
+    return _quantize(x, scale, fp8_dtype, transposed=True, row_scale=row_scale, store_rowmajor=False)[1]
+
+
+def quantize_rows_scaled_t_reference(
+    x: torch.Tensor, row_scale: torch.Tensor, scale: torch.Tensor, *, fp8_dtype: torch.dtype = E4M3
+) -> torch.Tensor:
+    """Plain-PyTorch reference of :func:`quantize_rows_scaled_t` (same signature, same bits)."""
+    _check_rows_scaled(x, row_scale, scale, fp8_dtype, "quantize_rows_scaled_t_reference")
+    fmax = FP8_MAX[fp8_dtype]
+    q = ((x.float() * row_scale[:, None]) * (1.0 / scale)).clamp(-fmax, fmax).to(fp8_dtype)
+    return q.t().contiguous()
+
+
+def _check_rows_scaled(x, row_scale, scale, fp8_dtype, name):
+    _check_quant_args(x, scale, fp8_dtype, name)
+    _check_one_matrix(x, fp8_dtype, name)
+    if scale.dim() != 0:
+        raise ValueError(f"{name}: scale must be 0-d, got shape {tuple(scale.shape)}")
+    if (not isinstance(row_scale, torch.Tensor) or row_scale.dtype != torch.float32
+            or tuple(row_scale.shape) != (x.shape[0],) or not row_scale.is_contiguous()):
+        raise ValueError(f"{name}: row_scale must be a contiguous fp32 ({x.shape[0]},) tensor, got "
+                         f"{getattr(row_scale, 'dtype', type(row_scale).__name__)} {tuple(getattr(row_scale, 'shape', ()))}")
+
+
 # (BLOCK_R, BLOCK_C, num_warps) on GPU; benchmarks/bench_mlp.py --sweep times alternatives.
 QUANT_CONFIG = (32, 128, 4)
 
 
-def _quantize(w, scale, fp8_dtype, *, transposed, out=None, out_t=None, amax=None, scale_from_amax=False):
+def _quantize(w, scale, fp8_dtype, *, transposed, out=None, out_t=None, amax=None, scale_from_amax=False,
+              row_scale=None, store_rowmajor=True):
     """Shared launcher: the dual-layout kernel, or row-major only when ``transposed`` is False.
 
     ``scale_from_amax`` (Triton only, one matrix): ``amax`` holds the measured max |w| and the
-    kernel writes ``scale`` (an output) from it instead of reading it."""
-    out, out_t, amax = _alloc(w, fp8_dtype, out, out_t, amax, transposed)
+    kernel writes ``scale`` (an output) from it instead of reading it.  ``row_scale`` (R,) fp32
+    (Triton only, one matrix) multiplies each row first; ``store_rowmajor`` False writes only the
+    transposed layout (``out`` is then a 0-element placeholder)."""
+    if not store_rowmajor and out is None:
+        out = torch.empty((0,), dtype=fp8_dtype, device=w.device)
+    out, out_t, amax = _alloc(w, fp8_dtype, out, out_t, amax, transposed, check_out=store_rowmajor)
     if not triton_usable(w):
         q, qt, a = quantize_dual_layout_reference(w, scale, fp8_dtype=fp8_dtype)
         out.copy_(q)
@@ -289,10 +354,11 @@ def _quantize(w, scale, fp8_dtype, *, transposed, out=None, out_t=None, amax=Non
         br, bc, warps = QUANT_CONFIG
     grid = (triton.cdiv(R, br) * triton.cdiv(C, bc), B)
     _dual_layout_kernel[grid](
-        w, out.view(torch.uint8), out_t.view(torch.uint8), scale, amax,
+        w, out.view(torch.uint8), out_t.view(torch.uint8), scale, amax, row_scale if row_scale is not None else scale,
         R, C, w.stride(0) if w.dim() == 3 else 0, w.stride(-2),
         SCALE_PER_MATRIX=scale.dim() == 1, FMAX=FP8_MAX[fp8_dtype], FP8_E5M2=fp8_dtype == E5M2, STORE_T=transposed,
-        SCALE_FROM_AMAX=scale_from_amax, AMAX_FLOOR_C=AMAX_FLOOR, BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+        SCALE_FROM_AMAX=scale_from_amax, AMAX_FLOOR_C=AMAX_FLOOR, ROW_SCALE=row_scale is not None,
+        STORE_Q=store_rowmajor, BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
         EXACT_CASTS=interpreting(), **grid_constants(fp8_dtype),
     )
     return out, out_t, amax

@@ -8,7 +8,8 @@ own kernel.  This module gives each such call one graph node instead:
 
 - ``speedrun::opaque_fwd(inputs, handle, keep) -> outputs`` runs a registered kernel's forward
   eagerly (at run time, never at trace time: tracing uses the registered shape function);
-- ``speedrun::opaque_bwd(grads, handle, meta) -> input grads`` runs its backward.
+- ``speedrun::opaque_bwd(grads, handle, meta) -> input grads`` runs its backward (``meta``: the
+  input gradients' shapes and dtypes, encoded in a string).
 
 A kernel is registered once, outside compiled code, with :func:`register`; the returned integer
 handle is a constant in the graph.  The forward's saved state (a :class:`KernelCtx`, the same
@@ -146,15 +147,18 @@ def _(inputs, handle, keep):
                          for shape, dtype in _KERNELS[handle].out_specs(list(inputs))], dev)
 
 
-def _encode_meta(tensors) -> list[int]:
-    """[ndim, *shape, dtype code] per tensor, flattened."""
+def _encode_meta(tensors) -> str:
+    """"ndim,*shape,dtype code" per tensor, flattened and comma-joined.  A string, not an int
+    list: Inductor's C++ wrapper cannot pass ``int[]`` arguments to a Python custom op
+    ("arg type List[int] is not yet supported by custom_op_wrapper", sixth device session)."""
     out: list[int] = []
     for t in tensors:
         out += [t.dim(), *t.shape, _DTYPES.index(t.dtype)]
-    return out
+    return ",".join(map(str, out))
 
 
-def _decode_meta(meta: Sequence[int]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def _decode_meta(text: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    meta = [int(v) for v in text.split(",")] if text else []
     out, i = [], 0
     while i < len(meta):
         n = meta[i]
@@ -164,7 +168,7 @@ def _decode_meta(meta: Sequence[int]) -> list[tuple[tuple[int, ...], torch.dtype
 
 
 @torch.library.custom_op("speedrun::opaque_bwd", mutates_args=())
-def _opaque_bwd(grads: list[torch.Tensor], handle: int, meta: list[int]) -> list[torch.Tensor]:
+def _opaque_bwd(grads: list[torch.Tensor], handle: int, meta: str) -> list[torch.Tensor]:
     kernel = _KERNELS[handle]
     stack = _PENDING.get(handle)
     if not stack:

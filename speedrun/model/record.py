@@ -72,6 +72,7 @@ from speedrun.model.record_parts import (
     softcapped_mtp_ce,
     xsa,
 )
+from speedrun.model.rotary import shift_stationary_keys
 from speedrun.model.yarn import Yarn
 
 # Coefficients of MUDD block 0 (last layer entry) and block 1 (post-loop).
@@ -705,10 +706,8 @@ class RecordGPT(nn.Module):
             q, k = self.yarn.rotate_paired(q), self.yarn.rotate_paired(k)
         else:
             q, k = self.yarn.rotate(q), self.yarn.rotate(k)
-            if long and a.key_offset and T > 1:
-                r = self.yarn.rope_dims
-                shifted = torch.cat((k[:1, :, r:], k[:-1, :, r:]))
-                k = torch.cat((k[:, :, :r], shifted), dim=-1)
+            if long and a.key_offset:
+                k = shift_stationary_keys(k, self.yarn.rope_dims)
         if aux_v is not None:
             v = v + aux_v.view(T, H, dv)
         if paired:

@@ -39,7 +39,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate the leading ``2 * cos.shape[-1]`` dims of ``x`` in interleaved pairs.
 
     x: (T, H, D) any float dtype; cos, sin: (T, n) float32 with 2n <= D.  Returns x's dtype.
-    The math runs in float32 and the stationary dims pass through unchanged.
+    The math runs in float32 and the stationary dims pass through unchanged.  The plain reference
+    of :func:`rotate_with_factors` (the record network's path), which gives the same bits.
     """
     n = cos.shape[-1]
     if n == 0:
@@ -51,6 +52,55 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     s = sin[:T, None, :]
     y = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
     return torch.cat((y.to(x.dtype), x[..., 2 * n :]), dim=-1)
+
+
+def rotary_factors(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-width factor tables for :func:`rotate_with_factors`.
+
+    cos, sin: (rows, n) float32 with ``2n <= head_dim``, head_dim even.  Returns ``(f_cos, f_sin)``,
+    each (rows, head_dim) float32: ``f_cos = (c0, c0, c1, c1, ..., 1, ..., 1)`` and
+    ``f_sin = (-s0, s0, -s1, s1, ..., 0, ..., 0)`` (ones and zeros on the stationary dims)."""
+    rows, n = cos.shape
+    if head_dim % 2 or 2 * n > head_dim:
+        raise ValueError(f"rotary_factors: need an even head_dim >= 2 * {n} rotating pairs, got {head_dim}")
+    stationary = head_dim - 2 * n
+    f_cos = torch.cat((cos.float().repeat_interleave(2, dim=-1), cos.new_ones(rows, stationary, dtype=torch.float32)), -1)
+    f_sin = torch.cat((torch.stack((-sin.float(), sin.float()), dim=-1).flatten(-2),
+                       sin.new_zeros(rows, stationary, dtype=torch.float32)), -1)
+    return f_cos, f_sin
+
+
+def swap_pairs(x: torch.Tensor) -> torch.Tensor:
+    """``(x0, x1, x2, x3, ...) -> (x1, x0, x3, x2, ...)`` along the last dim (even width): a view
+    plus ``flip``, which ``torch.compile`` turns into an index expression, not a copy."""
+    return x.unflatten(-1, (x.shape[-1] // 2, 2)).flip(-1).flatten(-2)
+
+
+def rotate_with_factors(x: torch.Tensor, f_cos: torch.Tensor, f_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as one elementwise expression: ``x * f_cos + swap_pairs(x) * f_sin`` in float32, cast
+    back to x's dtype.
+
+    x: (..., D) any float dtype, D even; f_cos, f_sin: :func:`rotary_factors` tables (or views of
+    them) broadcastable to x.  Gives :func:`apply_rotary`'s values (the same fp32 products and
+    sums; stationary dims are ``x * 1 + y * 0 = x`` exactly) without its slices, ``stack`` and
+    ``cat``, whose backward under ``torch.compile`` assembles gradients through ``slice_backward``
+    scatters (~80 ms of Inductor kernels per stage-3 record step on the H200, against ~11 ms in
+    upstream's elementwise form; ``benchmarks/bench_rotary.py`` times the two)."""
+    xf = x.float()
+    return (xf * f_cos + swap_pairs(xf) * f_sin).to(x.dtype)
+
+
+def shift_stationary_keys(k: torch.Tensor, rope_dims: int) -> torch.Tensor:
+    """The key offset of the long-window layers: token t's stationary dims (``rope_dims:``) take
+    token t-1's values (token 0 keeps its own).  k: (T, H, D) -> same shape and dtype.
+
+    Written as ``where(stationary, previous row, k)`` (one pointwise kernel each way under
+    ``torch.compile``) rather than as two ``cat``s of column slices."""
+    if k.shape[0] < 2:
+        return k
+    previous = torch.cat((k[:1], k[:-1]))
+    stationary = torch.arange(k.shape[-1], device=k.device) >= rope_dims
+    return torch.where(stationary, previous, k)
 
 
 class Rotary(torch.nn.Module):

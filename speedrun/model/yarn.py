@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from speedrun.model.rotary import apply_rotary, rope_dims_for, rope_frequencies
+from speedrun.model.rotary import rope_dims_for, rope_frequencies, rotary_factors, rotate_with_factors
 
 
 class Yarn:
@@ -78,7 +78,7 @@ class Yarn:
         self.attn_scale = self.initial_attn_scale
         with torch.device("cpu"):  # a plain CPU table even when the model is built on "meta"
             self.freqs = rope_frequencies(self.rope_dims, self.base).float()
-        self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # cos, sin, f_cos, f_sin
 
     def apply(self, old_window: int, new_window: int, alpha: float = 1.0, beta: float = 32.0) -> None:
         """YaRN extension from ``old_window`` to ``new_window`` tokens (see the module docstring).
@@ -97,13 +97,22 @@ class Yarn:
 
     def tables(self, positions: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: (>= positions, n) float32 on ``device``."""
+        return self._tables(positions, device)[:2]
+
+    def factors(self, positions: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same rows as full-width factor tables (:func:`~speedrun.model.rotary.rotary_factors`):
+        f_cos, f_sin (>= positions, head_dim) float32 on ``device``."""
+        return self._tables(positions, device)[2:]
+
+    def _tables(self, positions: int, device: torch.device | str) -> tuple[torch.Tensor, ...]:
         device = torch.device(device)
         cached = self._cache.get(device)
         if cached is None or cached[0].shape[0] < positions:
             rows = max(positions, self.min_positions, 2 * cached[0].shape[0] if cached else 0)
             t = torch.arange(rows, dtype=torch.float32, device=device)
             angles = torch.outer(t, self.freqs.to(device))
-            cached = (angles.cos(), angles.sin())
+            cos, sin = angles.cos(), angles.sin()
+            cached = (cos, sin, *rotary_factors(cos, sin, self.head_dim))
             self._cache[device] = cached
         return cached
 
@@ -112,15 +121,26 @@ class Yarn:
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, H, head_dim) -> same shape/dtype, token t rotated as position t."""
-        cos, sin = self.tables(x.shape[0], x.device)
-        return apply_rotary(x, cos, sin)
+        self._check_width(x, "rotate")
+        f_cos, f_sin = self.factors(x.shape[0], x.device)
+        T = x.shape[0]
+        return rotate_with_factors(x, f_cos[:T, None, :], f_sin[:T, None, :])
 
     def rotate_paired(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, H, head_dim), H even -> same shape/dtype; head h of token t at position 2t + h%2."""
-        T, H, _ = x.shape
+        """x: (T, H, head_dim), H even -> same shape/dtype; head h of token t at position 2t + h%2.
+
+        Viewed as (T, H/2, 2, D), entry [t, i, p] is head 2i+p, rotated at position 2t+p: the
+        factor rows 0..2T-1 viewed as (T, 1, 2, D) line up with it, so the paired rotation is the
+        plain elementwise one on a view (no strided head selects, no ``stack``)."""
+        T, H, D = x.shape
         if H % 2:
             raise ValueError(f"Yarn.rotate_paired: needs an even number of heads, got x{tuple(x.shape)}")
-        cos, sin = self.tables(2 * T, x.device)
-        even = apply_rotary(x[:, 0::2], cos[0 : 2 * T : 2], sin[0 : 2 * T : 2])
-        odd = apply_rotary(x[:, 1::2], cos[1 : 2 * T : 2], sin[1 : 2 * T : 2])
-        return torch.stack((even, odd), dim=2).flatten(1, 2)
+        self._check_width(x, "rotate_paired")
+        f_cos, f_sin = self.factors(2 * T, x.device)
+        xv = x.reshape(T, H // 2, 2, D)
+        y = rotate_with_factors(xv, f_cos[: 2 * T].view(T, 1, 2, D), f_sin[: 2 * T].view(T, 1, 2, D))
+        return y.view(T, H, D)
+
+    def _check_width(self, x: torch.Tensor, name: str) -> None:
+        if x.dim() != 3 or x.shape[-1] != self.head_dim:
+            raise ValueError(f"Yarn.{name}: expected x (T, H, {self.head_dim}), got {tuple(x.shape)}")

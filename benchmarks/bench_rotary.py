@@ -1,0 +1,174 @@
+"""The record baseline's attention prep (QK norm, RoPE, key offset, value residual) compiled,
+forward + backward: the sliced RoPE formulation against the elementwise one, on one CUDA GPU.
+
+Why: the fifth/sixth device sessions' kernel inventory (``benchmarks/compare_kernels.py`` of our
+record profile against upstream f411b3d's) put ~80 ms per stage-3 step into Inductor pointwise
+kernels named ``..._fused_rms_norm_backward_..._slice_backward...`` against ~11 ms upstream.
+The record path rotated with slices, ``stack`` and ``cat`` (:func:`speedrun.model.rotary.apply_rotary`,
+strided head selects on paired layers, two ``cat``s for the key offset); it now uses factor tables
+and a pair swap (:func:`speedrun.model.rotary.rotate_with_factors`, :func:`shift_stationary_keys`).
+This script times both, each compiled with ``torch.compile`` (default mode), per layer kind at
+stage-3 shapes: T = 49,152 tokens, H = 6 heads of 128 (qkv (T, 2304) bf16 in the record's
+[q | k | v] block layout).
+
+Arms are interleaved (``--reps`` rounds, each timing every arm with ``triton.testing.do_bench``);
+prints medians, the sliced/elementwise ratio, the compulsory bytes and the fraction of the measured
+copy bandwidth, and the kernels of one forward+backward of each arm (torch.profiler).  Writes
+``$OUT/bench_rotary.json``.
+
+Usage: ``python benchmarks/bench_rotary.py [--tokens 49152] [--reps 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+KINDS = ("plain", "paired", "long_key_offset", "value_residual")
+
+
+def sliced_prep(qkv, aux_v, cos, sin, *, kind, H, D, rope_dims):
+    """The record path before the change: apply_rotary's slices/stack/cat, strided paired selects,
+    the key offset as two cats."""
+    from speedrun.model.rotary import apply_rotary
+
+    T = qkv.shape[0]
+    q = F.rms_norm(qkv[:, : H * D].view(T, H, D), (D,))
+    k = F.rms_norm(qkv[:, H * D : 2 * H * D].view(T, H, D), (D,))
+    v = qkv[:, 2 * H * D :].view(T, H, D)
+    if kind == "paired":
+        def rot(x):
+            even = apply_rotary(x[:, 0::2], cos[0 : 2 * T : 2], sin[0 : 2 * T : 2])
+            odd = apply_rotary(x[:, 1::2], cos[1 : 2 * T : 2], sin[1 : 2 * T : 2])
+            return torch.stack((even, odd), dim=2).flatten(1, 2)
+
+        q, k = rot(q), rot(k)
+    else:
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kind == "long_key_offset":
+            r = rope_dims
+            shifted = torch.cat((k[:1, :, r:], k[:-1, :, r:]))
+            k = torch.cat((k[:, :, :r], shifted), dim=-1)
+    if kind == "value_residual":
+        v = v + aux_v.view(T, H, D)
+    return q, k, v
+
+
+def elementwise_prep(qkv, aux_v, f_cos, f_sin, *, kind, H, D, rope_dims):
+    """The record path now (Yarn.rotate / rotate_paired / shift_stationary_keys)."""
+    from speedrun.model.rotary import rotate_with_factors, shift_stationary_keys
+
+    T = qkv.shape[0]
+    q = F.rms_norm(qkv[:, : H * D].view(T, H, D), (D,))
+    k = F.rms_norm(qkv[:, H * D : 2 * H * D].view(T, H, D), (D,))
+    v = qkv[:, 2 * H * D :].view(T, H, D)
+    if kind == "paired":
+        fc, fs = f_cos[: 2 * T].view(T, 1, 2, D), f_sin[: 2 * T].view(T, 1, 2, D)
+        q = rotate_with_factors(q.reshape(T, H // 2, 2, D), fc, fs).view(T, H, D)
+        k = rotate_with_factors(k.reshape(T, H // 2, 2, D), fc, fs).view(T, H, D)
+    else:
+        q = rotate_with_factors(q, f_cos[:T, None], f_sin[:T, None])
+        k = rotate_with_factors(k, f_cos[:T, None], f_sin[:T, None])
+        if kind == "long_key_offset":
+            k = shift_stationary_keys(k, rope_dims)
+    if kind == "value_residual":
+        v = v + aux_v.view(T, H, D)
+    return q, k, v
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=49152)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_rotary: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton.testing
+
+    from speedrun.model.yarn import Yarn
+
+    dev = "cuda"
+    T, H, D = args.tokens, args.heads, args.head_dim
+    yarn = Yarn(D, 0.5, 1024.0)
+    cos, sin = yarn.tables(2 * T, dev)
+    f_cos, f_sin = yarn.factors(2 * T, dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    qkv = torch.randn(T, 3 * H * D, device=dev, generator=g).bfloat16().requires_grad_()
+    aux_v = torch.randn(T, H * D, device=dev, generator=g).bfloat16().requires_grad_()
+    grads = [torch.randn(T, H, D, device=dev, generator=g).bfloat16() for _ in range(3)]
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=100, return_mode="median")
+    copy_tbps = 2 * src.numel() / copy_ms / 1e9
+    del src, dst
+
+    arms = {"sliced": (sliced_prep, (cos, sin)), "elementwise": (elementwise_prep, (f_cos, f_sin))}
+    results = []
+    for kind in KINDS:
+        compiled = {name: torch.compile(lambda a, b, t1, t2, fn=fn: fn(a, b, t1, t2, kind=kind, H=H, D=D,
+                                                                       rope_dims=yarn.rope_dims), dynamic=False)
+                    for name, (fn, _) in arms.items()}
+
+        def step(name):
+            q, k, v = compiled[name](qkv, aux_v, *arms[name][1])
+            torch.autograd.backward((q, k, v), grads)
+
+        outs = {}
+        for name in arms:  # compile, and check the two arms compute the same thing
+            q, k, v = compiled[name](qkv, aux_v, *arms[name][1])
+            gq = torch.autograd.grad((q, k, v), (qkv, aux_v), grads)
+            outs[name] = (q, k, v, *gq)
+        errs = [((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+                for a, b in zip(outs["sliced"], outs["elementwise"])]
+        times = {name: [] for name in arms}
+        for _ in range(args.reps):
+            for name in arms:
+                qkv.grad = aux_v.grad = None
+                times[name].append(triton.testing.do_bench(lambda: step(name), warmup=5, rep=60,
+                                                           grad_to_none=[qkv, aux_v], return_mode="median"))
+        # compulsory bytes of forward + backward: read qkv, write q, k, v; backward reads dq, dk, dv
+        # and qkv (norm recompute), writes dqkv (+ aux_v's read and gradient on value-residual layers)
+        act = T * H * D * 2
+        nbytes = 3 * act + 3 * act + 3 * act + 3 * act + 3 * act + (2 * act if kind == "value_residual" else 0)
+        kernels = {}
+        for name in arms:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step(name)
+                torch.cuda.synchronize()
+            kernels[name] = sorted(
+                ({"kernel": e.key[:120], "calls": e.count, "us": round(e.device_time_total, 1)}
+                 for e in prof.key_averages() if e.device_time_total > 0), key=lambda r: -r["us"])[:12]
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        row = {"kind": kind, "median_ms": med, "times_ms": times, "ratio_elementwise_vs_sliced":
+               med["elementwise"] / med["sliced"], "rel_diff_outputs_and_grads": errs,
+               "compulsory_bytes": nbytes, "floor_ms": nbytes / copy_tbps / 1e9, "kernels": kernels}
+        results.append(row)
+        print(f"{kind:16} sliced {med['sliced']:.3f} ms  elementwise {med['elementwise']:.3f} ms  "
+              f"ratio {row['ratio_elementwise_vs_sliced']:.3f}  floor {row['floor_ms']:.3f} ms  "
+              f"spread sliced {min(times['sliced']):.3f}-{max(times['sliced']):.3f}  "
+              f"max rel diff {max(errs):.1e}", flush=True)
+        for name in arms:
+            print(f"   {name}: " + "; ".join(f"{r['kernel'][:70]} x{r['calls']} {r['us']:.0f}us"
+                                             for r in kernels[name][:5]))
+    out = Path(os.environ.get("OUT", "bench_out"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_rotary.json").write_text(json.dumps({
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokens": T, "heads": H,
+        "head_dim": D, "copy_tbps": copy_tbps, "rows": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
