@@ -62,21 +62,18 @@ def sliced_prep(qkv, aux_v, cos, sin, *, kind, H, D, rope_dims):
     return q, k, v
 
 
-def elementwise_prep(qkv, aux_v, f_cos, f_sin, *, kind, H, D, rope_dims):
-    """The record path now (Yarn.rotate / rotate_paired / shift_stationary_keys)."""
-    from speedrun.model.rotary import rotate_with_factors, shift_stationary_keys
+def elementwise_prep(qkv, aux_v, yarn, *, kind, H, D, rope_dims):
+    """The record path now: the model's own Yarn.rotate / rotate_paired and shift_stationary_keys."""
+    from speedrun.model.rotary import shift_stationary_keys
 
     T = qkv.shape[0]
     q = F.rms_norm(qkv[:, : H * D].view(T, H, D), (D,))
     k = F.rms_norm(qkv[:, H * D : 2 * H * D].view(T, H, D), (D,))
     v = qkv[:, 2 * H * D :].view(T, H, D)
     if kind == "paired":
-        fc, fs = f_cos[: 2 * T].view(T, 1, 2, D), f_sin[: 2 * T].view(T, 1, 2, D)
-        q = rotate_with_factors(q.reshape(T, H // 2, 2, D), fc, fs).view(T, H, D)
-        k = rotate_with_factors(k.reshape(T, H // 2, 2, D), fc, fs).view(T, H, D)
+        q, k = yarn.rotate_paired(q), yarn.rotate_paired(k)
     else:
-        q = rotate_with_factors(q, f_cos[:T, None], f_sin[:T, None])
-        k = rotate_with_factors(k, f_cos[:T, None], f_sin[:T, None])
+        q, k = yarn.rotate(q), yarn.rotate(k)
         if kind == "long_key_offset":
             k = shift_stationary_keys(k, rope_dims)
     if kind == "value_residual":
@@ -102,7 +99,6 @@ def main(argv=None) -> int:
     T, H, D = args.tokens, args.heads, args.head_dim
     yarn = Yarn(D, 0.5, 1024.0)
     cos, sin = yarn.tables(2 * T, dev)
-    f_cos, f_sin = yarn.factors(2 * T, dev)
     g = torch.Generator(device=dev).manual_seed(0)
     qkv = torch.randn(T, 3 * H * D, device=dev, generator=g).bfloat16().requires_grad_()
     aux_v = torch.randn(T, H * D, device=dev, generator=g).bfloat16().requires_grad_()
@@ -113,10 +109,10 @@ def main(argv=None) -> int:
     copy_tbps = 2 * src.numel() / copy_ms / 1e9
     del src, dst
 
-    arms = {"sliced": (sliced_prep, (cos, sin)), "elementwise": (elementwise_prep, (f_cos, f_sin))}
+    arms = {"sliced": (sliced_prep, (cos, sin)), "elementwise": (elementwise_prep, (yarn,))}
     results = []
     for kind in KINDS:
-        compiled = {name: torch.compile(lambda a, b, t1, t2, fn=fn: fn(a, b, t1, t2, kind=kind, H=H, D=D,
+        compiled = {name: torch.compile(lambda a, b, *tabs, fn=fn: fn(a, b, *tabs, kind=kind, H=H, D=D,
                                                                        rope_dims=yarn.rope_dims), dynamic=False)
                     for name, (fn, _) in arms.items()}
 

@@ -323,3 +323,20 @@ def test_static_and_row_scaled_quantise_refuse_bad_inputs():
         quantize_rows_scaled_t(x, torch.ones(32, dtype=torch.float64), s)
     with pytest.raises(ValueError, match="scale must be an fp32 tensor"):
         quantize_rows_scaled_t(x, torch.ones(32), 0.01)
+
+
+def test_static_and_row_scaled_quantise_without_triton_use_the_reference_rule(monkeypatch):
+    """Where no Triton kernel can run (a CPU without the interpreter) the launcher's fallback must
+    still apply the row factors and give the references' bits."""
+    from speedrun.kernels import fp8_cache as F
+
+    monkeypatch.setattr(F, "triton_usable", lambda t: False)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(32, 48, generator=g).bfloat16()
+    rows = torch.randn(32, generator=g) * 10
+    s = torch.tensor(0.02)
+    qt = F.quantize_rows_scaled_t(x, rows, s)
+    assert qt.shape == (48, 32)
+    assert torch.equal(_bits(qt), _bits(F.quantize_rows_scaled_t_reference(x, rows, s)))
+    assert not torch.equal(_bits(qt), _bits(F.quantize_rows_scaled_t_reference(x, torch.ones(32), s)))
+    assert torch.equal(_bits(F.quantize_static(x, s)), _bits(F.quantize_static_reference(x, s)))

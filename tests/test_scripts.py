@@ -62,12 +62,11 @@ def test_rotary_bench_arms_compute_the_same(kind):
     T, H, D = 24, 4, 16
     y = Yarn(D, 0.5, 1024.0)
     cos, sin = y.tables(2 * T, "cpu")
-    fc, fs = y.factors(2 * T, "cpu")
     g = torch.Generator().manual_seed(1)
     qkv0, aux0 = torch.randn(T, 3 * H * D, generator=g), torch.randn(T, H * D, generator=g)
     grads = [torch.randn(T, H, D, generator=g) for _ in range(3)]
     res = []
-    for fn, tables in ((mod.sliced_prep, (cos, sin)), (mod.elementwise_prep, (fc, fs))):
+    for fn, tables in ((mod.sliced_prep, (cos, sin)), (mod.elementwise_prep, (y,))):
         qkv, aux = qkv0.clone().requires_grad_(), aux0.clone().requires_grad_()
         outs = fn(qkv, aux, *tables, kind=kind, H=H, D=D, rope_dims=y.rope_dims)
         torch.autograd.backward(outs, grads)

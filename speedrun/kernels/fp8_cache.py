@@ -275,15 +275,13 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor, *, fp8_dtype: torch.dt
 
     x: (R, C) row-major bf16/fp16/fp32, R and C multiples of 16; scale: 0-d fp32.  Values beyond
     ``FMAX * scale`` saturate.  Returns (R, C) FP8, the bits of :func:`quantize_static_reference`."""
-    _check_quant_args(x, scale, fp8_dtype, "quantize_static")
-    _check_one_matrix(x, fp8_dtype, "quantize_static")
+    _check_matrix_and_scale(x, scale, fp8_dtype, "quantize_static")
     return _quantize(x, scale, fp8_dtype, transposed=False)[0]
 
 
 def quantize_static_reference(x: torch.Tensor, scale: torch.Tensor, *, fp8_dtype: torch.dtype = E4M3) -> torch.Tensor:
     """Plain-PyTorch reference of :func:`quantize_static` (same signature, same bits)."""
-    _check_quant_args(x, scale, fp8_dtype, "quantize_static_reference")
-    _check_one_matrix(x, fp8_dtype, "quantize_static_reference")
+    _check_matrix_and_scale(x, scale, fp8_dtype, "quantize_static_reference")
     return quantize_dual_layout_reference(x, scale, fp8_dtype=fp8_dtype)[0]
 
 
@@ -298,8 +296,6 @@ def quantize_rows_scaled_t(
     scale: 0-d fp32.  Returns (C, R) contiguous FP8, the bits of
     :func:`quantize_rows_scaled_t_reference`."""
     _check_rows_scaled(x, row_scale, scale, fp8_dtype, "quantize_rows_scaled_t")
-    if not triton_usable(x):
-        return quantize_rows_scaled_t_reference(x, row_scale, scale, fp8_dtype=fp8_dtype)
     return _quantize(x, scale, fp8_dtype, transposed=True, row_scale=row_scale, store_rowmajor=False)[1]
 
 
@@ -313,11 +309,15 @@ def quantize_rows_scaled_t_reference(
     return q.t().contiguous()
 
 
-def _check_rows_scaled(x, row_scale, scale, fp8_dtype, name):
+def _check_matrix_and_scale(x, scale, fp8_dtype, name):
+    """One (R, C) matrix and a 0-d fp32 scale (a 2-D input admits no per-matrix scale)."""
     _check_quant_args(x, scale, fp8_dtype, name)
-    _check_one_matrix(x, fp8_dtype, name)
-    if scale.dim() != 0:
-        raise ValueError(f"{name}: scale must be 0-d, got shape {tuple(scale.shape)}")
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected one (R, C) matrix, got shape {tuple(x.shape)}")
+
+
+def _check_rows_scaled(x, row_scale, scale, fp8_dtype, name):
+    _check_matrix_and_scale(x, scale, fp8_dtype, name)
     if (not isinstance(row_scale, torch.Tensor) or row_scale.dtype != torch.float32
             or tuple(row_scale.shape) != (x.shape[0],) or not row_scale.is_contiguous()):
         raise ValueError(f"{name}: row_scale must be a contiguous fp32 ({x.shape[0]},) tensor, got "
@@ -334,14 +334,16 @@ def _quantize(w, scale, fp8_dtype, *, transposed, out=None, out_t=None, amax=Non
 
     ``scale_from_amax`` (Triton only, one matrix): ``amax`` holds the measured max |w| and the
     kernel writes ``scale`` (an output) from it instead of reading it.  ``row_scale`` (R,) fp32
-    (Triton only, one matrix) multiplies each row first; ``store_rowmajor`` False writes only the
+    (one matrix) multiplies each row first; ``store_rowmajor`` False writes only the
     transposed layout (``out`` is then a 0-element placeholder)."""
     if not store_rowmajor and out is None:
         out = torch.empty((0,), dtype=fp8_dtype, device=w.device)
     out, out_t, amax = _alloc(w, fp8_dtype, out, out_t, amax, transposed, check_out=store_rowmajor)
     if not triton_usable(w):
-        q, qt, a = quantize_dual_layout_reference(w, scale, fp8_dtype=fp8_dtype)
-        out.copy_(q)
+        src = w if row_scale is None else w.float() * row_scale[:, None]  # the kernel's order: scale rows, then 1/s
+        q, qt, a = quantize_dual_layout_reference(src, scale, fp8_dtype=fp8_dtype)
+        if store_rowmajor:
+            out.copy_(q)
         if transposed:
             out_t.copy_(qt)
         amax.copy_(torch.maximum(amax, a))
