@@ -155,6 +155,13 @@ def test_compile_cpp_wrapper_option_reaches_torch_compile(monkeypatch):
     cfg.train.compile = False
     with pytest.raises(ConfigError, match="compile_cpp_wrapper needs train.compile"):
         compile_model(model, cfg)
+    # torch's varlen attention (the CUDA default) cannot be called from the C++ wrapper
+    cfg.train.compile = True
+    monkeypatch.setattr("speedrun.attention.resolve_backend", lambda name, device: "varlen")
+    seen.clear()
+    with pytest.raises(ConfigError, match="varlen attention backend"):
+        compile_model(model, cfg)
+    assert not seen
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")

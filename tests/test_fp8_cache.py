@@ -340,3 +340,18 @@ def test_static_and_row_scaled_quantise_without_triton_use_the_reference_rule(mo
     assert torch.equal(_bits(qt), _bits(F.quantize_rows_scaled_t_reference(x, rows, s)))
     assert not torch.equal(_bits(qt), _bits(F.quantize_rows_scaled_t_reference(x, torch.ones(32), s)))
     assert torch.equal(_bits(F.quantize_static(x, s)), _bits(F.quantize_static_reference(x, s)))
+
+
+def test_current_scale_is_the_correctly_rounded_quotient():
+    """current_scale = fl(max(amax, 1e-12) / fmax), which the quantise kernel computes with div_rn.
+    On CUDA torch divides by a Python scalar as a multiply by its reciprocal (amax 5.25 gave
+    0.011718750931 there, not 0.01171875): the float64 quotient rounded once is the rule."""
+    from speedrun.kernels.fp8_cache import AMAX_FLOOR, FP8_MAX, current_scale
+
+    g = torch.Generator().manual_seed(3)
+    amax = torch.cat([torch.tensor([5.25, 0.0, 1e-30, 448.0]), torch.rand(4096, generator=g) * 10])
+    for fmax in FP8_MAX.values():
+        want = (amax.double().clamp_min(AMAX_FLOOR) / fmax).float()
+        got = current_scale(amax, fmax)
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert current_scale(torch.tensor(5.25), 448.0).item() == 0.01171875

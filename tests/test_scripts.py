@@ -48,8 +48,9 @@ def test_host_bench_without_a_gpu_says_so(capsys, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["plain", "paired", "long_key_offset", "value_residual"])
 def test_rotary_bench_arms_compute_the_same(kind):
-    """bench_rotary's two arms (the record's old sliced RoPE path and the elementwise one) give the
-    same q, k, v bit for bit and the same gradients, on every layer kind it times."""
+    """bench_rotary's arms (the record's old sliced RoPE path, the elementwise one, and upstream's
+    chunked formulation with fp32 tables here) give the same q, k, v and gradients on every layer
+    kind it times (the first two bit for bit)."""
     import importlib.util
 
     import torch
@@ -66,14 +67,58 @@ def test_rotary_bench_arms_compute_the_same(kind):
     qkv0, aux0 = torch.randn(T, 3 * H * D, generator=g), torch.randn(T, H * D, generator=g)
     grads = [torch.randn(T, H, D, generator=g) for _ in range(3)]
     res = []
-    for fn, tables in ((mod.sliced_prep, (cos, sin)), (mod.elementwise_prep, (y,))):
+    f_cos, f_sin = y.factors(2 * T, "cpu")
+    arms = ((mod.sliced_prep, (cos, sin)), (mod.elementwise_prep, (y,)), (mod.chunked_prep, (f_cos, f_sin)))
+    for fn, tables in arms:
         qkv, aux = qkv0.clone().requires_grad_(), aux0.clone().requires_grad_()
         outs = fn(qkv, aux, *tables, kind=kind, H=H, D=D, rope_dims=y.rope_dims)
         torch.autograd.backward(outs, grads)
         res.append((*outs, qkv.grad, aux.grad))
-    for a, b in zip(*res):
-        if a is None:
-            assert b is None
-            continue
-        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    for other in res[1:]:
+        for a, b in zip(res[0], other):
+            if a is None:
+                assert b is None
+                continue
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+
+
+def test_inductor_sources_extracts_the_slowest_kernels(tmp_path):
+    """inductor_sources.py finds a profiled kernel's Triton source in a generated wrapper module (a
+    kernel inside ``async_compile.triton('''...''')``) and in a standalone kernel file, writes the
+    slowest first, and reports a kernel it cannot find."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "inductor_sources", Path(__file__).resolve().parents[1] / "benchmarks" / "inductor_sources.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cache = tmp_path / "cache" / "ab"
+    cache.mkdir(parents=True)
+    (cache / "wrapper.py").write_text(
+        "from torch._inductor.async_compile import AsyncCompile\n"
+        "triton_poi_fused_add_7 = async_compile.triton('triton_poi_fused_add_7', '''\n"
+        "import triton\n@triton.jit\ndef triton_poi_fused_add_7(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):\n"
+        "    x0 = tl.load(in_ptr0)\n    tl.store(out_ptr0, x0 + 1)\n''', device_str='cuda')\n"
+        "def call(args):\n    triton_poi_fused_add_7.run()\n")
+    (cache / "kernel.py").write_text(
+        "import triton\n\n@triton_heuristics.reduction(\n    size_hints={'x': 64},\n)\n@triton.jit\ndef triton_red_fused_sum_3(in_ptr0, out_ptr0):\n"
+        "    pass\n\n@triton.jit\ndef other_kernel():\n    pass\n")
+    profile = {"steps": 2, "kernels": [
+        {"kernel": "triton_red_fused_sum_3", "calls": 4, "time_us": 3000.0},
+        {"kernel": "triton_poi_fused_add_7", "calls": 8, "time_us": 9000.0},
+        {"kernel": "_relu2_gemm_tma_kernel", "calls": 8, "time_us": 90000.0},  # ours, not Inductor's
+        {"kernel": "triton_poi_fused_missing_9", "calls": 2, "time_us": 1000.0}]}
+    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    assert [k["kernel"] for k in mod.slowest_inductor_kernels(profile, 2)] == [
+        "triton_poi_fused_add_7", "triton_red_fused_sum_3"]
+    out = tmp_path / "out"
+    assert mod.main([str(tmp_path / "profile.json"), "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]) == 0
+    poi = (out / "triton_poi_fused_add_7.py").read_text()
+    assert poi.startswith("# triton_poi_fused_add_7\n# 4 launches, 4.500 ms per step")
+    assert "@triton.jit\ndef triton_poi_fused_add_7(" in poi and "x0 + 1" in poi
+    assert "device_str" not in poi and "def call" not in poi
+    red = (out / "triton_red_fused_sum_3.py").read_text()
+    assert "\n@triton_heuristics.reduction(\n    size_hints={'x': 64},\n)\n@triton.jit\ndef triton_red_fused_sum_3(" in red and "other_kernel" not in red
+    assert not (out / "triton_poi_fused_missing_9.py").exists()

@@ -450,7 +450,7 @@ def _quantize_from_amax(x, amax, fp8_dtype, transposed):
     """Quantise one checked matrix with ``s = max(amax, 1e-12) / FMAX`` (``amax``: 0-d fp32, the
     measured max |x|); the Triton kernel computes s itself.  Returns (q, qt or None, s)."""
     if not triton_usable(x):
-        scale = amax.clamp_min(AMAX_FLOOR) / FP8_MAX[fp8_dtype]
+        scale = current_scale(amax, FP8_MAX[fp8_dtype])
         q, qt, _ = quantize_dual_layout_reference(x, scale, fp8_dtype=fp8_dtype)
         return q, (qt if transposed else None), scale
     scale = torch.empty((), dtype=torch.float32, device=x.device)
@@ -472,6 +472,15 @@ def quantize_delayed(
         raise ValueError(f"quantize_delayed: expected one (R, C) matrix and a 0-d scale, got {tuple(x.shape)}, {tuple(scale.shape)}")
     q, qt, _ = _quantize(x, scale, fp8_dtype, transposed=transposed, amax=amax)
     return q, (qt if transposed else None)
+
+
+def current_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """Current scaling's ``max(amax, 1e-12) / fmax`` (fp32, elementwise), correctly rounded on every
+    device, as the quantise kernel computes it (``div_rn``).  Not ``amax / fmax``: torch on CUDA
+    divides by a Python scalar as a multiply by the scalar's rounded reciprocal, one ulp off for
+    some amaxes (amax 5.25: 0.011718750931 instead of 0.01171875, seventh device session), which
+    moves ~3% of the quantised bytes; a same-device tensor divisor takes the true division."""
+    return amax.clamp_min(AMAX_FLOOR) / torch.full((), fmax, dtype=torch.float32, device=amax.device)
 
 
 def headroom_scale(amax: torch.Tensor, headroom: float, fmax: float) -> torch.Tensor:
@@ -609,7 +618,7 @@ def quantize_current_reference(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Plain-PyTorch reference of :func:`quantize_current` (same signature, same bits)."""
     _check_quant_args(x, _SCALAR_FP32, fp8_dtype, "quantize_current_reference")
-    scale = abs_max_reference(x).clamp_min(AMAX_FLOOR) / FP8_MAX[fp8_dtype]
+    scale = current_scale(abs_max_reference(x), FP8_MAX[fp8_dtype])
     q, qt, _ = quantize_dual_layout_reference(x, scale, fp8_dtype=fp8_dtype)
     return q, (qt if transposed else None), scale
 
@@ -720,7 +729,7 @@ class FP8WeightCache:
                 scale = self._replay.pop(name).to(w.device)
             elif n < self.bootstrap_refreshes or name not in self._amax:
                 amax_now = w.detach().abs().amax(dim=(-2, -1)).float()
-                scale = amax_now.clamp_min(AMAX_FLOOR) / fmax
+                scale = current_scale(amax_now, fmax)
             else:
                 scale = headroom_scale(self._amax[name], self.headroom, fmax)
             out = prev.data if prev is not None else None

@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from speedrun.kernels.fp8_cache import (
-    AMAX_FLOOR,
+    current_scale,
     E4M3,
     FP8_MAX,
     _fp8_bits,
@@ -235,7 +235,7 @@ def _sa_tensor(sa_lambda, device) -> torch.Tensor:
 
 def _scales(amax, scale, sa):
     """(raw_scale, quantisation multiplier inv = sign(sa)/raw_scale, dequant scale raw*|sa|)."""
-    raw = amax.clamp_min(AMAX_FLOOR) / FP8_MAX[E4M3] if scale is None else scale.reshape(()).float()
+    raw = current_scale(amax, FP8_MAX[E4M3]) if scale is None else scale.reshape(()).float()
     inv = torch.where(sa < 0, -1.0, 1.0) / raw
     return raw, inv, raw * sa.abs()
 

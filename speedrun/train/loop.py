@@ -204,11 +204,29 @@ def compile_model(model, cfg: RunConfig):
     if cfg.train.compile:
         if not hasattr(model, "compile_body"):
             raise ConfigError(f"{type(model).__name__} has no compile_body(); set train.compile=false")
-        extra = {"options": {"cpp_wrapper": True}} if cfg.train.compile_cpp_wrapper else {}
+        extra = {}
+        if cfg.train.compile_cpp_wrapper:
+            _check_cpp_wrapper_backend(model, cfg)
+            extra = {"options": {"cpp_wrapper": True}}
         model.compile_body(dynamic=False, **extra)
     elif cfg.train.compile_cpp_wrapper:
         raise ConfigError("train.compile_cpp_wrapper needs train.compile=true")
     return model
+
+
+def _check_cpp_wrapper_backend(model, cfg: RunConfig) -> None:
+    """Refuse the C++ wrapper with torch's varlen attention: its custom op takes ``window_size``
+    as ``int[]``, which Inductor's C++ wrapper cannot pass to a Python op (torch 2.11 on the H200,
+    seventh device session: "arg type List[int] is not yet supported by custom_op_wrapper", after
+    compiling for minutes)."""
+    from speedrun.attention import resolve_backend
+
+    param = next(iter(model.parameters()), None)
+    device = param.device if param is not None else torch.device("cpu")
+    if resolve_backend(cfg.model.attention_backend, device) == "varlen":
+        raise ConfigError("train.compile_cpp_wrapper cannot run with the varlen attention backend (torch's "
+                          "varlen_attn op takes an int[] window, which Inductor's C++ wrapper cannot pass); "
+                          "set model.attention_backend=flex or drop train.compile_cpp_wrapper")
 
 
 def _compile_count() -> int:
