@@ -355,3 +355,20 @@ def test_current_scale_is_the_correctly_rounded_quotient():
         got = current_scale(amax, fmax)
         assert got.dtype == torch.float32 and torch.equal(got, want)
     assert current_scale(torch.tensor(5.25), 448.0).item() == 0.01171875
+
+
+def test_host_cdiv_and_next_pow2_match_tritons():
+    """The launchers' grid helpers agree with triton.cdiv / triton.next_power_of_2 (whose host
+    calls cost ~4 us each), and interpreting() reports what Triton decided at import."""
+    import os
+
+    import triton
+
+    from speedrun.kernels.fp8_cache import cdiv, interpreting, next_pow2
+
+    for a in list(range(0, 70)) + [49152 * 3072, 2**31 - 1]:
+        for b in (1, 7, 16, 64, 128, 1000):
+            assert cdiv(a, b) == triton.cdiv(a, b)
+    for n in list(range(1, 300)) + [50304, 2**20, 2**20 + 1]:
+        assert next_pow2(n) == triton.next_power_of_2(n)
+    assert interpreting() == (os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))

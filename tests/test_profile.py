@@ -322,3 +322,84 @@ def test_profile_stacks_name_the_calling_line(tmp_path, capsys):
     rep = json.loads((out / "profile.json").read_text())
     sites = {site for r in rep["ops"] if r["op"] == "aten::mm" for site in r["sources"]}
     assert any(site.startswith("speedrun/") for site in sites), sites
+
+
+def test_launch_notes_name_bytes_only_while_profiling():
+    """A launch note is free without a profiler; under one it is a range whose name carries the
+    launch's compulsory bytes (every read and written tensor once, plus extra) and FLOPs, and FP8
+    operands mark the GEMM as FP8."""
+    import contextlib
+
+    import torch
+
+    from speedrun.kernels.launch_notes import launch_note, parse_launch_note
+
+    x = torch.zeros(64, 32, dtype=torch.bfloat16)
+    q = torch.zeros(64, 32, dtype=torch.uint8)
+    assert isinstance(launch_note("_k", reads=(x,), writes=(q,)), contextlib.nullcontext)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        with launch_note("_quant_kernel", reads=(x, None), writes=(q,), extra_bytes=10):
+            x.add_(1)
+        with launch_note("_gemm_kernel", reads=(q.view(torch.float8_e4m3fn), x), writes=(x,), flops=2 * 64 * 32 * 32):
+            x.add_(1)
+    notes = [parse_launch_note(e.name) for e in p.events() if parse_launch_note(e.name)]
+    assert [(n.kernel, n.kind, n.nbytes, n.flops) for n in notes] == [
+        ("_quant_kernel", "memory", 64 * 32 * 2 + 64 * 32 + 10, 0),
+        ("_gemm_kernel", "gemm_fp8", 64 * 32 * (1 + 2 + 2), 2 * 64 * 32 * 32)]
+    assert parse_launch_note("speedrun.kernel:memory:_k:bytes=12") is None  # no flops field
+    assert parse_launch_note("aten::mm") is None
+
+
+def test_noted_kernels_belong_to_their_notes(tmp_path):
+    """Our Triton kernel linked by the profiler to the opaque op around its launch is moved to
+    its launch note (split by calls over the note's shapes), which gives it a floor and the
+    needed bytes the ncu table compares with; the opaque op keeps its other kernels."""
+    from speedrun.kernels.launch_notes import PREFIX
+
+    small = f"{PREFIX}:memory:_abs_max_kernel:bytes=1000:flops=0"
+    big = f"{PREFIX}:memory:_abs_max_kernel:bytes=4000:flops=0"
+    gemm = f"{PREFIX}:gemm_fp8:_relu2_gemm_tma_kernel:bytes=3000:flops=6000000"
+    ev = [
+        _fake_op("speedrun::opaque_fwd", [[[8, 8]]], [], [("_abs_max_kernel", 9.0), ("_relu2_gemm_tma_kernel", 20.0),
+                                                           ("void at::native::fill<4>(int)", 1.0)]),
+        _fake_op(small, [], [], []),
+        _fake_op(small, [], [], []),
+        _fake_op(big, [], [], []),
+        _fake_op(gemm, [], [], [("_relu2_gemm_tma_kernel", 0.0)]),  # linked to the note itself
+    ]
+    ceil = Ceilings(tflops=1000.0, tbps=4.0, source="given")
+    by = {g.name: g for g in prof.group_events(ev, "cuda", "bfloat16", ceil)}
+    assert by["speedrun::opaque_fwd"].time_us == pytest.approx(1.0)
+    assert by["speedrun::opaque_fwd"].kernels == {"void at::native::fill<4>(int)": 1.0}
+    assert by[small].calls == 2 and by[small].time_us == pytest.approx(6.0) and by[big].time_us == pytest.approx(3.0)
+    assert by[gemm].time_us == pytest.approx(20.0)
+    assert by[small].floor_us == pytest.approx(2 * 1000 / 4e12 * 1e6)
+    assert by[gemm].floor_us == pytest.approx(6e6 / 2000e12 * 1e6)  # FP8: twice the bf16 rate
+    need = prof.kernel_needed_bytes(list(by.values()))
+    assert need["_abs_max_kernel"] == 2 * 1000 + 4000 and need["_relu2_gemm_tma_kernel"] == 3000
+
+
+def test_our_launchers_note_their_compulsory_bytes():
+    """The real launchers (under the Triton interpreter) note what they must move: abs_max reads
+    x; the quantise pass reads x and writes both FP8 layouts; the fused relu2 GEMM reads a and b
+    and writes post in bf16 and e4m3, with 2MNK FLOPs."""
+    import torch
+
+    from speedrun.kernels.fp8_cache import E4M3, interpreting, quantize_current
+    from speedrun.kernels.launch_notes import parse_launch_note
+    from speedrun.kernels.mlp import relu2_gemm
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (the launchers fall back to references otherwise)")
+    M, K, N = 32, 64, 48
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w = torch.randn(N, K, generator=g).bfloat16()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        quantize_current(x, fp8_dtype=E4M3, transposed=True)
+        relu2_gemm(x, w, q_dtype=E4M3, q_scale=torch.tensor(1.0), impl="fused")
+    notes = [n for n in (parse_launch_note(e.name) for e in p.events()) if n is not None]
+    assert [(n.kernel, n.kind, n.nbytes, n.flops) for n in notes] == [
+        ("_abs_max_kernel", "memory", M * K * 2 + 4, 0),
+        ("_dual_layout_kernel", "memory", M * K * (2 + 1 + 1), 0),
+        ("_relu2_gemm_kernel", "gemm", (M * K + N * K) * 2 + M * N * (2 + 1), 2 * M * N * K)]

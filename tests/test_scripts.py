@@ -122,3 +122,15 @@ def test_inductor_sources_extracts_the_slowest_kernels(tmp_path):
     red = (out / "triton_red_fused_sum_3.py").read_text()
     assert "\n@triton_heuristics.reduction(\n    size_hints={'x': 64},\n)\n@triton.jit\ndef triton_red_fused_sum_3(" in red and "other_kernel" not in red
     assert not (out / "triton_poi_fused_missing_9.py").exists()
+
+
+def test_opaque_host_bench_runs_on_the_cpu(capsys):
+    """bench_opaque.py compiles both chains and reports per-op host time and the opaque overhead."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_opaque", [s for s in PY_BENCHES if s.name == "bench_opaque.py"][0])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--ops", "2", "--reps", "2", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "opaque  forward" in out and "plain   forward" in out and "opaque over plain" in out

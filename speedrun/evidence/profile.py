@@ -41,6 +41,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from speedrun.kernels.launch_notes import PREFIX as LAUNCH_PREFIX
+from speedrun.kernels.launch_notes import parse_launch_note
+
 # ----------------------------------------------------------------------------------------------
 # The cost model (pure)
 
@@ -138,6 +141,9 @@ def op_cost(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence[str] | 
     """
     if name in OP_MODELS:
         return OP_MODELS[name]([list(x) if isinstance(x, (list, tuple)) else x for x in shapes], list(dtypes or []))
+    note = parse_launch_note(name)
+    if note is not None:  # one of our Triton launches, its bytes and FLOPs in the range's name
+        return OpCost("gemm" if note.flops else "elementwise", float(note.flops), float(note.nbytes))
     default = dtype_bytes(default_dtype, 4) or 4
     t = _tensors(shapes, dtypes, default)
     if name in GEMM_OPS:
@@ -213,7 +219,9 @@ class Ceilings:
         mem = cost.bytes / (self.tbps * 1e12) * 1e6
         if cost.kind != "gemm":
             return mem
-        peak = self.tflops * (2.0 if name == "aten::_scaled_mm" else 1.0)
+        note = parse_launch_note(name)
+        fp8 = name == "aten::_scaled_mm" or (note is not None and note.kind == "gemm_fp8")
+        peak = self.tflops * (2.0 if fp8 else 1.0)
         return max(mem, cost.flops / (peak * 1e12) * 1e6)
 
 
@@ -258,6 +266,8 @@ def _is_annotation(evt) -> bool:
     """Ranges that mark code, not work: ProfilerStep#N, record_function ranges, and the ranges
     Inductor puts around each compiled graph ("## Call CompiledFxGraph ... ##"), which also show
     on the device timeline spanning all the kernels inside them."""
+    if evt.name.startswith(LAUNCH_PREFIX):  # our kernels' launch notes are ops with a cost
+        return False
     return (bool(getattr(evt, "is_user_annotation", False)) or evt.name.startswith("ProfilerStep")
             or evt.name.startswith("## "))
 
@@ -312,7 +322,9 @@ def group_events(events: Iterable, device: str, default_dtype: str, ceilings: Ce
             t = sum(d for _, d in kernels)
         else:
             kernels, t = [], float(evt.self_cpu_time_total)
-        if t <= 0:
+        # (a launch note keeps its group even when the profiler linked its kernel to the op around
+        # it: the post-pass below moves that kernel's time to the note)
+        if t <= 0 and not evt.name.startswith(LAUNCH_PREFIX):
             continue
         shapes = [list(s) if isinstance(s, (list, tuple)) else s for s in (evt.input_shapes or [])]
         dtypes = list(getattr(evt, "input_dtypes", None) or [])
@@ -333,11 +345,44 @@ def group_events(events: Iterable, device: str, default_dtype: str, ceilings: Ce
             g.sources[site] = g.sources.get(site, 0) + 1
         for kname, d in kernels:
             g.kernels[kname] = g.kernels.get(kname, 0.0) + d
-    for g in groups.values():
+    result = _attribute_noted_kernels(list(groups.values())) if device == "cuda" else list(groups.values())
+    for g in result:
         if g.cost is not None:
             one = ceilings.floor_us(g.cost, g.name)
             g.floor_us = None if one is None else one * g.calls
-    return list(groups.values())
+    return result
+
+
+def _attribute_noted_kernels(groups: list[OpGroup]) -> list[OpGroup]:
+    """Give each kernel named in launch notes to the notes, wherever the profiler linked it (it
+    links a device kernel to the op around its launch, which for our Triton launches may be the
+    opaque custom op rather than the note's range): its time is split over the kernel's note
+    groups by their call counts.  Groups left without time are dropped."""
+    notes: dict[str, list[OpGroup]] = {}
+    for g in groups:
+        note = parse_launch_note(g.name)
+        if note is not None:
+            notes.setdefault(note.kernel, []).append(g)
+    if not notes:
+        return groups
+    moved: dict[str, dict[str, float]] = {}  # kernel -> {full device name: µs}
+    for g in groups:
+        own = parse_launch_note(g.name)
+        for full in list(g.kernels):
+            base = kernel_key(full)
+            if base in notes and (own is None or own.kernel != base):
+                us = g.kernels.pop(full)
+                g.time_us -= us
+                moved.setdefault(base, {})[full] = moved.get(base, {}).get(full, 0.0) + us
+    for base, by_name in moved.items():
+        targets = notes[base]
+        calls = sum(t.calls for t in targets) or 1
+        for t in targets:
+            for full, us in by_name.items():
+                share = us * t.calls / calls
+                t.kernels[full] = t.kernels.get(full, 0.0) + share
+                t.time_us += share
+    return [g for g in groups if g.time_us > 1e-9 or parse_launch_note(g.name) is not None]
 
 
 def kernel_table(events: Iterable) -> list[dict]:
@@ -392,14 +437,22 @@ def gpu_timeline(events: Iterable, top: int = 12) -> dict[str, Any] | None:
 
 def kernel_needed_bytes(groups: Sequence[OpGroup]) -> dict[str, float]:
     """Bytes each kernel name needs, from the modeled ops that launched it (an op's bytes split
-    over its kernels in proportion to their time)."""
+    over its kernels in proportion to their time).  Our Triton kernels take theirs from their
+    launch notes by name (:mod:`speedrun.kernels.launch_notes`), whether or not the profiler
+    linked the device kernel to the note's range."""
     need: dict[str, float] = {}
+    noted: dict[str, float] = {}
     for g in groups:
+        note = parse_launch_note(g.name)
+        if note is not None:
+            noted[note.kernel] = noted.get(note.kernel, 0.0) + note.nbytes * g.calls
+            continue
         if g.cost is None or not g.kernels:
             continue
         total = sum(g.kernels.values()) or 1.0
         for k, us in g.kernels.items():
             need[k] = need.get(k, 0.0) + g.cost.bytes * g.calls * us / total
+    need.update(noted)
     return need
 
 

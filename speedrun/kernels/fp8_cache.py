@@ -34,13 +34,15 @@ Weight scaling policy (documented here, used by the cache):
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from speedrun.kernels.launch_notes import launch_note
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -54,8 +56,23 @@ class StaleFP8CacheError(RuntimeError):
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run in the CPU interpreter: ``TRITON_INTERPRET=1`` when
+    ``triton.jit`` decorated them, i.e. set before import (Triton decides then; this module reads
+    the decision off its own kernel at import, as the launchers ask per launch and an environment
+    read costs ~1.5 us)."""
+    return _INTERPRETED
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code.  ``triton.cdiv`` is a constexpr function whose call from Python
+    costs ~4 us; our launchers compute grids per launch."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1); ``triton.next_power_of_2`` for host code
+    without its ~4 us call cost."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def triton_usable(t: torch.Tensor) -> bool:
@@ -354,15 +371,17 @@ def _quantize(w, scale, fp8_dtype, *, transposed, out=None, out_t=None, amax=Non
         br, bc, warps = 128, 128, 1  # few programs: the interpreter pays per program and per op
     else:
         br, bc, warps = QUANT_CONFIG
-    grid = (triton.cdiv(R, br) * triton.cdiv(C, bc), B)
-    _dual_layout_kernel[grid](
-        w, out.view(torch.uint8), out_t.view(torch.uint8), scale, amax, row_scale if row_scale is not None else scale,
-        R, C, w.stride(0) if w.dim() == 3 else 0, w.stride(-2),
-        SCALE_PER_MATRIX=scale.dim() == 1, FMAX=FP8_MAX[fp8_dtype], FP8_E5M2=fp8_dtype == E5M2, STORE_T=transposed,
-        SCALE_FROM_AMAX=scale_from_amax, AMAX_FLOOR_C=AMAX_FLOOR, ROW_SCALE=row_scale is not None,
-        STORE_Q=store_rowmajor, BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
-        EXACT_CASTS=interpreting(), **grid_constants(fp8_dtype),
-    )
+    grid = (cdiv(R, br) * cdiv(C, bc), B)
+    with launch_note("_dual_layout_kernel", reads=(w, row_scale),
+                     writes=(out if store_rowmajor else None, out_t if transposed else None)):
+        _dual_layout_kernel[grid](
+            w, out.view(torch.uint8), out_t.view(torch.uint8), scale, amax, row_scale if row_scale is not None else scale,
+            R, C, w.stride(0) if w.dim() == 3 else 0, w.stride(-2),
+            SCALE_PER_MATRIX=scale.dim() == 1, FMAX=FP8_MAX[fp8_dtype], FP8_E5M2=fp8_dtype == E5M2, STORE_T=transposed,
+            SCALE_FROM_AMAX=scale_from_amax, AMAX_FLOOR_C=AMAX_FLOOR, ROW_SCALE=row_scale is not None,
+            STORE_Q=store_rowmajor, BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+            EXACT_CASTS=interpreting(), **grid_constants(fp8_dtype),
+        )
     return out, out_t, amax
 
 
@@ -399,6 +418,10 @@ def sm_count(device: torch.device) -> int:
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Triton decided at decoration time whether its kernels run in the interpreter (see interpreting())
+_INTERPRETED = isinstance(_abs_max_kernel, InterpretedFunction)
+
+
 def abs_max(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` as a 0-d fp32 tensor (NaN if x holds one), read once at full bandwidth.
 
@@ -409,13 +432,14 @@ def abs_max(x: torch.Tensor) -> torch.Tensor:
         return abs_max_reference(x)
     out = torch.zeros((), dtype=torch.float32, device=x.device)
     block, warps, per_sm = (1024, 1, 0) if interpreting() else ABS_MAX_CONFIG
-    programs = triton.cdiv(n, block)
+    programs = cdiv(n, block)
     if x.is_cuda:
         programs = min(programs, per_sm * sm_count(x.device))
     else:
         programs = min(programs, 4)  # the interpreter pays per program
     step = programs * block
-    _abs_max_kernel[(programs,)](x, out, n, step, BLOCK=block, ITERS=triton.cdiv(n, step), num_warps=warps)
+    with launch_note("_abs_max_kernel", reads=(x,), writes=(out,)):
+        _abs_max_kernel[(programs,)](x, out, n, step, BLOCK=block, ITERS=cdiv(n, step), num_warps=warps)
     return out
 
 

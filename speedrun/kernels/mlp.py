@@ -69,6 +69,7 @@ from speedrun.kernels.fp8_cache import (
     E4M3,
     E5M2,
     FP8_MAX,
+    cdiv,
     FP8Weight,
     _fp8_bits,
     _fp8_bits_hw,
@@ -82,6 +83,7 @@ from speedrun.kernels.fp8_cache import (
     triton_usable,
 )
 from speedrun.kernels.fp8_ops import scaled_mm  # torch._scaled_mm on sm89+, exact fp32 emulation elsewhere
+from speedrun.kernels.launch_notes import launch_note
 
 MODES = ("bf16", "fp8_fwd", "fp8_full")
 POST_HEADROOM = 1.8
@@ -447,9 +449,10 @@ def relu2_gemm(
         else:
             acc = a @ b.t()
         bm, bn, warps = (32, 64, 1) if interpreting() else EPILOGUE_CONFIG
-        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-        _relu2_epilogue_kernel[grid](acc, *ptrs, M, N, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-                                     **{**common, "AB_SCALED": False})
+        grid = (cdiv(M, bm), cdiv(N, bn))
+        with launch_note("_relu2_epilogue_kernel", reads=(acc, aux), writes=(out, out_q, out_qt)):
+            _relu2_epilogue_kernel[grid](acc, *ptrs, M, N, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                                         **{**common, "AB_SCALED": False})
         return GemmOut(out, out_q, out_qt, amax)
     if _use_tma(a, b):
         key = "fp8" if fp8 else "bf16"
@@ -457,21 +460,23 @@ def relu2_gemm(
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         sms = sm_count(a.device)
-        grid = (min(sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
-        _relu2_gemm_tma_kernel[grid](
-            TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]), *ptrs,
-            M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_SMS=sms, FLATTEN=TMA_FLATTEN,
-            num_warps=warps, num_stages=stages, **common,
-        )
+        grid = (min(sms, cdiv(M, bm) * cdiv(N, bn)),)
+        with launch_note("_relu2_gemm_tma_kernel", reads=(a, b, aux), writes=(out, out_q, out_qt), flops=2 * M * N * K):
+            _relu2_gemm_tma_kernel[grid](
+                TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]), *ptrs,
+                M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_SMS=sms, FLATTEN=TMA_FLATTEN,
+                num_warps=warps, num_stages=stages, **common,
+            )
         return GemmOut(out, out_q, out_qt, amax)
     bm, bn, bk, gm, warps, stages = _INTERP_CONFIG if interpreting() else GPU_CONFIGS["fp8" if fp8 else "bf16"]
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _relu2_gemm_kernel[grid](
-        a, b, *ptrs, M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        EVEN_K=K % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
-        num_warps=warps, num_stages=stages, **common,
-    )
+    grid = (cdiv(M, bm) * cdiv(N, bn),)
+    with launch_note("_relu2_gemm_kernel", reads=(a, b, aux), writes=(out, out_q, out_qt), flops=2 * M * N * K):
+        _relu2_gemm_kernel[grid](
+            a, b, *ptrs, M, N, K,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            EVEN_K=K % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+            num_warps=warps, num_stages=stages, **common,
+        )
     return GemmOut(out, out_q, out_qt, amax)
 
 

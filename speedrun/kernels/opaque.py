@@ -93,12 +93,19 @@ def call(handle: int, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     if len(inputs) != len(kernel.diff):
         raise ValueError(f"{kernel.name}: {len(inputs)} inputs, registered with {len(kernel.diff)}")
     keep = torch.is_grad_enabled() and any(t.requires_grad for t, d in zip(inputs, kernel.diff) if d)
-    return torch.ops.speedrun.opaque_fwd(list(inputs), handle, keep)[:-1]
+    return list(_OpaqueCall.apply(handle, keep, *inputs))
+
+
+_MARKERS: dict = {}
 
 
 def _with_marker(outs: list[torch.Tensor], device) -> list[torch.Tensor]:
-    """``outs`` plus the trailing empty tensor every opaque op returns (see the module docstring)."""
-    return outs + [torch.empty(0, device=device)]
+    """``outs`` plus the trailing empty tensor every opaque op returns (see the module docstring);
+    one cached 0-element tensor per device (an allocation per call cost ~4 us of host time)."""
+    marker = _MARKERS.get(device)
+    if marker is None:
+        marker = _MARKERS[device] = torch.empty(0, device=device)
+    return outs + [marker]
 
 
 def _unalias(outs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -117,12 +124,13 @@ def _unalias(outs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[t
 
 
 def _conform(kernel: OpaqueKernel, t: torch.Tensor, shape, dtype, what: str) -> torch.Tensor:
-    if tuple(t.shape) != tuple(shape):
+    if t.shape != tuple(shape):
         raise RuntimeError(f"{kernel.name}: {what} has shape {tuple(t.shape)}, promised {tuple(shape)}")
+    if t.dtype == dtype and t.is_contiguous():  # the usual case; .to().contiguous() costs ~3 us
+        return t
     return t.to(dtype).contiguous()
 
 
-@torch.library.custom_op("speedrun::opaque_fwd", mutates_args=())
 def _opaque_fwd(inputs: list[torch.Tensor], handle: int, keep: bool) -> list[torch.Tensor]:
     kernel = _KERNELS[handle]
     ctx = KernelCtx()
@@ -140,11 +148,10 @@ def _opaque_fwd(inputs: list[torch.Tensor], handle: int, keep: bool) -> list[tor
     return _with_marker(outs, inputs[0].device)
 
 
-@_opaque_fwd.register_fake
-def _(inputs, handle, keep):
+def _opaque_fwd_fake(inputs, handle, keep):
     dev = inputs[0].device
-    return _with_marker([torch.empty(shape, dtype=dtype, device=dev)
-                         for shape, dtype in _KERNELS[handle].out_specs(list(inputs))], dev)
+    return [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in _KERNELS[handle].out_specs(list(inputs))] + [
+        torch.empty(0, device=dev)]
 
 
 def _encode_meta(tensors) -> str:
@@ -167,7 +174,6 @@ def _decode_meta(text: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
     return out
 
 
-@torch.library.custom_op("speedrun::opaque_bwd", mutates_args=())
 def _opaque_bwd(grads: list[torch.Tensor], handle: int, meta: str) -> list[torch.Tensor]:
     kernel = _KERNELS[handle]
     stack = _PENDING.get(handle)
@@ -187,27 +193,43 @@ def _opaque_bwd(grads: list[torch.Tensor], handle: int, meta: str) -> list[torch
     return _with_marker(res, grads[0].device)
 
 
-@_opaque_bwd.register_fake
-def _(grads, handle, meta):
+def _opaque_bwd_fake(grads, handle, meta):
     dev = grads[0].device
-    return _with_marker([torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in _decode_meta(meta)], dev)
+    return [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in _decode_meta(meta)] + [
+        torch.empty(0, device=dev)]
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    tensors, handle, _keep = inputs
-    kernel = _KERNELS[handle]
-    ctx.handle = handle
-    ctx.meta = _encode_meta([t for t, d in zip(tensors, kernel.diff) if d])
-    ctx.out_specs = [(tuple(o.shape), o.dtype, o.device) for o in output[:-1]]
+# The two ops are defined with torch.library's low-level API, not ``torch.library.custom_op``:
+# custom_op's Python layers (its autograd wrapper, which runs even under no_grad inside compiled
+# graphs, and the dispatch wrappers around the implementation) cost ~30 us per call on top of
+# ours (CPU measurement in docs/perf-notes.md, seventh session).  The autograd lives in
+# _OpaqueCall instead, which Dynamo traces into the graph.
+_LIB = torch.library.Library("speedrun", "FRAGMENT")
+_LIB.define("opaque_fwd(Tensor[] inputs, int handle, bool keep) -> Tensor[]")
+_LIB.define("opaque_bwd(Tensor[] grads, int handle, str meta) -> Tensor[]")
+_LIB.impl("opaque_fwd", _opaque_fwd, "CompositeExplicitAutograd")
+_LIB.impl("opaque_bwd", _opaque_bwd, "CompositeExplicitAutograd")
+torch.library.register_fake("speedrun::opaque_fwd", _opaque_fwd_fake, lib=_LIB)
+torch.library.register_fake("speedrun::opaque_bwd", _opaque_bwd_fake, lib=_LIB)
 
 
-def _backward(ctx, grads):
-    kernel = _KERNELS[ctx.handle]
-    # zip stops at the real outputs: the marker's gradient (always None) is dropped
-    grads = [torch.zeros(shape, dtype=dtype, device=dev) if g is None else g.contiguous()
-             for g, (shape, dtype, dev) in zip(grads, ctx.out_specs)]
-    diff_grads = iter(torch.ops.speedrun.opaque_bwd(grads, ctx.handle, ctx.meta)[:-1])
-    return [next(diff_grads) if d else None for d in kernel.diff], None, None
+class _OpaqueCall(torch.autograd.Function):
+    """Autograd of one opaque call: forward runs ``opaque_fwd``, backward ``opaque_bwd`` with the
+    differentiable inputs' shapes and dtypes (the gradients' promised metadata)."""
 
+    @staticmethod
+    def forward(ctx, handle: int, keep: bool, *inputs):
+        kernel = _KERNELS[handle]
+        outs = torch.ops.speedrun.opaque_fwd(list(inputs), handle, keep)[:-1]
+        ctx.handle = handle
+        ctx.meta = _encode_meta([t for t, d in zip(inputs, kernel.diff) if d])
+        ctx.out_specs = [(tuple(o.shape), o.dtype, o.device) for o in outs]
+        return tuple(outs)
 
-_opaque_fwd.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, *grads):
+        kernel = _KERNELS[ctx.handle]
+        grads = [torch.zeros(shape, dtype=dtype, device=dev) if g is None else g.contiguous()
+                 for g, (shape, dtype, dev) in zip(grads, ctx.out_specs)]
+        diff_grads = iter(torch.ops.speedrun.opaque_bwd(grads, ctx.handle, ctx.meta)[:-1])
+        return (None, None, *[next(diff_grads) if d else None for d in kernel.diff])

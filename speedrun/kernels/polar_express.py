@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from speedrun.kernels.launch_notes import launch_note
+
 try:  # Triton is optional on CPU-only installs; the references then do all the work.
     import triton
     import triton.language as tl
@@ -316,16 +318,19 @@ def _launch_sym(kernel, name: str, A: Tensor, out: Tensor, n_out: int, reduce_di
     a3, c3 = _as3d(A), _as3d(out)
     bm, bn, bk, stages, warps = _config(reduce_dim, name, A.element_size(), (name, a3.size(0), n_out, reduce_dim),
                                         A.device)
-    grid = (triton.cdiv(n_out, bm) * triton.cdiv(n_out, bn), a3.size(0))
+    grid = (-(-n_out // bm) * -(-n_out // bn), a3.size(0))  # (triton.cdiv costs ~4 us from Python)
     if grid[1] > 65535:
         raise ValueError(f"{name}: batch of {grid[1]} exceeds the 65535 grid limit")
     sizes = (a3.size(1), a3.size(2)) if kernel is not _ba_plus_caa_kernel else (a3.size(1),)
-    kernel[grid](
-        a3, c3, *sizes, *scalars,
-        a3.stride(0), a3.stride(1), a3.stride(2), c3.stride(0), c3.stride(1), c3.stride(2),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, INTERPRET=triton_interpreted(),
-        num_stages=stages, num_warps=warps,
-    )
+    # symmetric output: the kernels compute the upper-triangle blocks, ~half of a full GEMM's FLOPs
+    flops = a3.size(0) * n_out * n_out * (a3.size(1) if kernel is _xtx_kernel else a3.size(2))
+    with launch_note(f"_{name}_kernel", reads=(A,), writes=(out,), flops=flops):
+        kernel[grid](
+            a3, c3, *sizes, *scalars,
+            a3.stride(0), a3.stride(1), a3.stride(2), c3.stride(0), c3.stride(1), c3.stride(2),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, INTERPRET=triton_interpreted(),
+            num_stages=stages, num_warps=warps,
+        )
     return out
 
 

@@ -48,7 +48,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from speedrun.kernels.fp8_cache import _round_to_grid, grid_constants, interpreting, triton_usable
+from speedrun.kernels.fp8_cache import _round_to_grid, cdiv, grid_constants, interpreting, next_pow2, triton_usable
+from speedrun.kernels.launch_notes import launch_note
 from speedrun.model.rotary import apply_rotary
 
 __all__ = ["CONFIGS", "qk_prep", "qk_prep_reference", "qk_prep_bytes"]
@@ -341,13 +342,17 @@ def _launch_fwd(qkv, cos, sin, aux, T, H, dqk, dv, n, dout, paired, key_offset, 
     aux2 = aux.reshape(T, H * dv) if aux is not None else qkv
     if aux is not None and aux2.stride(1) != 1:
         aux2 = aux2.contiguous()
-    _qk_prep_fwd_kernel[(triton.cdiv(T * H, br),)](
-        qkv, cos, sin, aux2, q, k, v, T, qkv.stride(0), cos.stride(0), aux2.stride(0),
-        EPS=float(eps), H=H, DQK=dqk, DV=dv, NF=n, DOUT=dout, PAIRED=paired, KEY_OFFSET=key_offset and T > 1,
-        HAS_AUX=aux is not None, BLOCK_R=br, BLOCK_D=triton.next_power_of_2(dout),
-        BLOCK_V=triton.next_power_of_2(dv), ROUND=dt != torch.float32, EXACT=interpreting(),
-        num_warps=cfg["num_warps"], **_round_consts(dt),
-    )
+    # the cos/sin rows it reads: T positions, 2T on paired layers
+    tables = 2 * (2 * T if paired else T) * cos.shape[-1] * cos.element_size()
+    with launch_note("_qk_prep_fwd_kernel", reads=(qkv, aux2 if aux is not None else None), writes=(q, k, v),
+                     extra_bytes=tables):
+        _qk_prep_fwd_kernel[(cdiv(T * H, br),)](
+            qkv, cos, sin, aux2, q, k, v, T, qkv.stride(0), cos.stride(0), aux2.stride(0),
+            EPS=float(eps), H=H, DQK=dqk, DV=dv, NF=n, DOUT=dout, PAIRED=paired, KEY_OFFSET=key_offset and T > 1,
+            HAS_AUX=aux is not None, BLOCK_R=br, BLOCK_D=next_pow2(dout),
+            BLOCK_V=next_pow2(dv), ROUND=dt != torch.float32, EXACT=interpreting(),
+            num_warps=cfg["num_warps"], **_round_consts(dt),
+        )
     return q, k, v
 
 
@@ -366,13 +371,15 @@ def _launch_bwd(qkv, cos, sin, dq, dk, dv, T, H, dqk, dv_dim, n, paired, key_off
     br = cfg["BLOCK_R"]
     if T * H == 0:
         return dx
-    _qk_prep_bwd_kernel[(triton.cdiv(T * H, br),)](
-        qkv, cos, sin, dq, dk, dv, dx, T, qkv.stride(0), cos.stride(0), dx.stride(0),
-        dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        EPS=float(eps), H=H, DQK=dqk, DV=dv_dim, NF=n, PAIRED=paired, KEY_OFFSET=key_offset and T > 1,
-        BLOCK_R=br, BLOCK_D=triton.next_power_of_2(dqk), BLOCK_V=triton.next_power_of_2(dv_dim),
-        ROUND=dt != torch.float32, EXACT=interpreting(), num_warps=cfg["num_warps"], **_round_consts(dt),
-    )
+    tables = 2 * (2 * T if paired else T) * cos.shape[-1] * cos.element_size()
+    with launch_note("_qk_prep_bwd_kernel", reads=(qkv, dq, dk, dv), writes=(dx,), extra_bytes=tables):
+        _qk_prep_bwd_kernel[(cdiv(T * H, br),)](
+            qkv, cos, sin, dq, dk, dv, dx, T, qkv.stride(0), cos.stride(0), dx.stride(0),
+            dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            EPS=float(eps), H=H, DQK=dqk, DV=dv_dim, NF=n, PAIRED=paired, KEY_OFFSET=key_offset and T > 1,
+            BLOCK_R=br, BLOCK_D=next_pow2(dqk), BLOCK_V=next_pow2(dv_dim),
+            ROUND=dt != torch.float32, EXACT=interpreting(), num_warps=cfg["num_warps"], **_round_consts(dt),
+        )
     return dx
 
 

@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from speedrun.kernels.fp8_cache import (
+    cdiv,
     current_scale,
     E4M3,
     FP8_MAX,
@@ -67,6 +68,7 @@ from speedrun.kernels.fp8_cache import (
     triton_usable,
 )
 from speedrun.kernels.fp8_ops import scaled_mm
+from speedrun.kernels.launch_notes import launch_note
 
 __all__ = [
     "PackedQKV",
@@ -286,15 +288,16 @@ def pack_qkv_fp8(
     qk2 = _qk_2d(w_qk, H, dqk)
     sa = _sa_tensor(sa_lambda, dev)
     bn, bd, warps = _INTERP_PACK_CONFIG if interpreting() else PACK_CONFIG
-    grid = (triton.cdiv(N, bn), triton.cdiv(D, bd))
+    grid = (cdiv(N, bn), cdiv(D, bd))
     u8, u8t = data.view(torch.uint8), data_t.view(torch.uint8)
 
     def launch(amax_only, inv, amax):
-        _pack_kernel[grid](
-            qk2, w_v, inv, u8, u8t, amax, N, qk2.stride(0), w_v.stride(0),
-            H=H, DQK=dqk, DV=dv, D=D, AMAX_ONLY=amax_only, FMAX=FP8_MAX[E4M3],
-            BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, **grid_constants(E4M3),
-        )
+        with launch_note("_pack_kernel", reads=(qk2, w_v), writes=() if amax_only else (data, data_t)):
+            _pack_kernel[grid](
+                qk2, w_v, inv, u8, u8t, amax, N, qk2.stride(0), w_v.stride(0),
+                H=H, DQK=dqk, DV=dv, D=D, AMAX_ONLY=amax_only, FMAX=FP8_MAX[E4M3],
+                BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, **grid_constants(E4M3),
+            )
 
     first = None
     if scale is None:
