@@ -425,3 +425,24 @@ def test_without_triton_the_head_runs_its_reference_and_the_kernel_says_why(kern
     logits, targets, prefix = make_batch()
     with pytest.raises(ValueError, match="needs a CUDA tensor or TRITON_INTERPRET=1"):
         softcapped_ce_fwd_bwd(logits, targets, vocab_size=VOCAB)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("max_programs", [1, 3, 1000])
+def test_kernel_persistent_grid_equals_one_program_per_block(max_programs):
+    """max_programs: fewer programs than row blocks (3 programs for 8 blocks of 8 rows: uneven
+    shares), one program for all, or more than needed; every row is written exactly as with one
+    program per block (outputs poisoned first)."""
+    logits, targets, prefix = make_batch(seed=7)
+    w = [1.0, 0.5, 0.25]
+    kw = dict(softcap=DEFAULT_SOFTCAP, vocab_size=VOCAB, grad_out_scale=1 / ce.GRAD_UNIT_SCALE,
+              grad_dtype=torch.float8_e5m2, block_m=8, block_v=128)
+    want_l, want_d = softcapped_ce_fwd_bwd(logits, targets, w, prefix, 0.25, **kw)
+    losses = torch.full((N,), float("nan"))
+    dlogits = torch.full((N, V_PAD), float("nan")).to(torch.float8_e5m2)
+    softcapped_ce_fwd_bwd(logits, targets, w, prefix, 0.25, losses_out=losses, dlogits_out=dlogits,
+                          max_programs=max_programs, **kw)
+    assert torch.equal(losses, want_l)
+    assert torch.equal(dlogits.view(torch.uint8), want_d.view(torch.uint8))
+    with pytest.raises(ValueError, match="max_programs must be >= 1"):
+        softcapped_ce_fwd_bwd(logits, targets, w, prefix, 0.25, max_programs=0, **kw)

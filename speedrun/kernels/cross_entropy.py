@@ -274,13 +274,14 @@ def softcapped_ce_fwd_bwd_reference(
     block_v: int | None = None,
     block_m: int | None = None,
     num_warps: int = 4,
+    max_programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`softcapped_ce_fwd_bwd` (same signature), by autograd in fp32.
 
     Returns ``(losses, dlogits)``: losses (N,) fp32; dlogits (N, V_pad) in ``grad_dtype`` (default
     ``logits.dtype``; ``torch.float8_e5m2`` saturates at +-57344) equal to
     ``grad_out_scale * d(sum_t loss_t)/d logits``, zero in padded columns.  ``block_v``,
-    ``block_m`` and ``num_warps`` (tuning knobs of the kernel) are ignored.
+    ``block_m``, ``num_warps`` and ``max_programs`` (tuning knobs of the kernel) are ignored.
     """
     vocab_size = _check_logits(logits, vocab_size)
     _check_targets(logits.shape[0], targets, prefix_targets, vocab_size, check_targets)
@@ -329,6 +330,7 @@ def _ce_fwd_bwd_kernel(
     k2,
     a_over_c,
     grad_mult,
+    n_row_blocks,
     N_PREDICT: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -338,9 +340,11 @@ def _ce_fwd_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    # Each program owns BLOCK_M whole rows.  Pass 1 reads them for the log-sum-exp, pass 2 reads
-    # them again and writes dlogits densely (softmax part only); a third step rewrites the few
-    # target columns.  At the record's vocab a row is 100 KB, usually still in L2 for pass 2.
+    # Each program owns BLOCK_M whole rows at a time.  Pass 1 reads them for the log-sum-exp, pass 2
+    # reads them again and writes dlogits densely (softmax part only); a third step rewrites the
+    # few target columns.  At the record's vocab a row is 100 KB: with one program per row block
+    # thousands of rows are in flight, pass 2 misses L2, and Nsight Compute measured 2.0x the
+    # logits' bytes read (seventh device session); ``max_programs`` bounds the rows in flight.
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
     # Under torch.compile, Inductor launches this kernel with fp64 float arguments; keep all the
@@ -350,143 +354,148 @@ def _ce_fwd_bwd_kernel(
     k2 = tl.cast(k2, tl.float32)
     a_over_c = tl.cast(a_over_c, tl.float32)
     grad_mult = tl.cast(grad_mult, tl.float32)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_rows
-    logit_rows = logits_ptr + rows[:, None] * stride_logits
-    grad_rows = dlogits_ptr + rows[:, None] * stride_dlogits
-    offs = tl.arange(0, BLOCK_V)
+    # Row blocks pid, pid + G, ... (G programs): one block each with the default grid; a smaller
+    # (persistent) grid keeps fewer rows in flight, so pass 2 can find them in L2.
+    row_block = tl.program_id(0)
+    while row_block < n_row_blocks:
+        rows = row_block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        logit_rows = logits_ptr + rows[:, None] * stride_logits
+        grad_rows = dlogits_ptr + rows[:, None] * stride_dlogits
+        offs = tl.arange(0, BLOCK_V)
 
-    # `while` rather than `for ... in range(runtime bound)`: the Triton 3.6 interpreter cannot
-    # index a runtime scalar under NumPy >= 2.4, and the CPU tests run there.
-    if SOFTCAP:
-        # Softcapped logits never exceed A, so A is a fixed softmax offset: no running max, and
-        # per-lane partial sums reduced once at the end (exp(s - A) >= exp(-A) cannot underflow
-        # for the A <= 64 the launcher allows here).
-        acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
-        a_log2e = cap_a * LOG2E
-        start = 0
-        while start < vocab_size:
-            cols = start + offs
-            real = cols < vocab_size
-            z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
-            e = tl.exp2(_softcap_u(z, k1, k2) * a_log2e - a_log2e)
-            acc += tl.where(real[None, :], e, 0.0)
-            start += BLOCK_V
-        lse = cap_a + tl.log2(tl.sum(acc, axis=1)) * LN2
-    else:
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
-        start = 0
-        while start < vocab_size:
-            cols = start + offs
-            real = cols < vocab_size
-            z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
-            z = tl.where(real[None, :], z, float("-inf"))
-            m_new = tl.maximum(m, tl.max(z, axis=1))
-            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
-            m = m_new
-            start += BLOCK_V
-        lse = m + tl.log(l)
-
-    loss = tl.zeros([BLOCK_M], tl.float32)
-    weight_sum = tl.zeros([BLOCK_M], tl.float32)
-    bad = rows < 0
-    for k in tl.static_range(N_PREDICT):
-        t = tl.load(targets_ptr + rows + k, mask=row_ok & (rows + k < n_targets), other=-1).to(tl.int64)
-        w = tl.load(mtp_w_ptr + k)
-        ok = (t >= 0) & (t < vocab_size)
-        bad = bad | (t < -1) | (t >= vocab_size)
-        zt = tl.load(logits_ptr + rows * stride_logits + t, mask=row_ok & ok, other=0.0).to(tl.float32)
+        # `while` rather than `for ... in range(runtime bound)`: the Triton 3.6 interpreter cannot
+        # index a runtime scalar under NumPy >= 2.4, and the CPU tests run there.
         if SOFTCAP:
-            zt = cap_a * _softcap_u(zt, k1, k2)
-        loss += tl.where(ok, w * (lse - zt), 0.0)
-        weight_sum += tl.where(ok, w, 0.0)
-    if HAS_PREFIX:
-        pt = tl.load(prefix_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
-        pw = tl.load(prefix_w_ptr)
-        ok = (pt >= 0) & (pt < vocab_size)
-        bad = bad | (pt < -1) | (pt >= vocab_size)
-        zt = tl.load(logits_ptr + rows * stride_logits + pt, mask=row_ok & ok, other=0.0).to(tl.float32)
-        if SOFTCAP:
-            zt = cap_a * _softcap_u(zt, k1, k2)
-        loss += tl.where(ok, pw * (lse - zt), 0.0)
-        weight_sum += tl.where(ok, pw, 0.0)
-    tl.store(losses_ptr + rows, tl.where(bad, float("nan"), loss), mask=row_ok)
+            # Softcapped logits never exceed A, so A is a fixed softmax offset: no running max, and
+            # per-lane partial sums reduced once at the end (exp(s - A) >= exp(-A) cannot underflow
+            # for the A <= 64 the launcher allows here).
+            acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+            a_log2e = cap_a * LOG2E
+            start = 0
+            while start < vocab_size:
+                cols = start + offs
+                real = cols < vocab_size
+                z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
+                e = tl.exp2(_softcap_u(z, k1, k2) * a_log2e - a_log2e)
+                acc += tl.where(real[None, :], e, 0.0)
+                start += BLOCK_V
+            lse = cap_a + tl.log2(tl.sum(acc, axis=1)) * LN2
+        else:
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l = tl.zeros([BLOCK_M], tl.float32)
+            start = 0
+            while start < vocab_size:
+                cols = start + offs
+                real = cols < vocab_size
+                z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
+                z = tl.where(real[None, :], z, float("-inf"))
+                m_new = tl.maximum(m, tl.max(z, axis=1))
+                l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+                m = m_new
+                start += BLOCK_V
+            lse = m + tl.log(l)
 
-    # Dense part of d loss / d s_j = weight_sum * p_j - (weights whose target is j).
-    lse_log2e = lse * LOG2E
-    coef = weight_sum * grad_mult
-    if SOFTCAP:
-        coef = coef * a_over_c
-    start = 0
-    while start < n_cols:
-        cols = start + offs
-        real = cols < vocab_size
-        z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
-        if SOFTCAP:
-            u = _softcap_u(z, k1, k2)
-            p = tl.exp2(u * a_log2e - lse_log2e[:, None])
-            g = p * (u - u * u) * coef[:, None]
-        else:
-            g = tl.exp2(z * LOG2E - lse_log2e[:, None]) * coef[:, None]
-        g = tl.where(real[None, :], g, 0.0)
-        if GRAD_FP8:
-            g = tl.minimum(tl.maximum(g, -57344.0), 57344.0)
-            if SOFT_ROUND:
-                # Round exactly (RTNE) in fp32 first: adding and subtracting 1.5 * 2**(q + 23)
-                # rounds to a multiple of 2**q, q being the e5m2 spacing at |g| (two mantissa
-                # bits, fixed below the normal range).
-                q_exp = tl.maximum(((g.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -14) - 2
-                magic = (((q_exp + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
-                r = (tl.abs(g) + magic) - magic
-                g = tl.where(g < 0, -r, r)
-            out = g.to(tl.float8e5, fp_downcast_rounding="rtne")
-        else:
-            if SOFT_ROUND_BF16:
-                # RTNE to bf16 on the fp32 bits (the interpreter's own cast truncates).
-                bits = g.to(tl.int32, bitcast=True)
-                g = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-            out = g.to(dlogits_ptr.dtype.element_ty)
-        tl.store(grad_rows + cols[None, :], out, mask=row_ok[:, None] & (cols < n_cols)[None, :])
-        start += BLOCK_V
-
-    # Sparse correction: rewrite each target column with its full value.  A column hit by several
-    # terms gets the same value from each (idempotent).  The barrier orders these stores after
-    # the dense ones of other threads in this program.
-    tl.debug_barrier()
-    for j in tl.static_range(N_PREDICT + HAS_PREFIX):
-        if j < N_PREDICT:
-            col = tl.load(targets_ptr + rows + j, mask=row_ok & (rows + j < n_targets), other=-1).to(tl.int64)
-        else:
-            col = pt
-        ok = row_ok & (col >= 0) & (col < vocab_size)
-        hit = tl.zeros([BLOCK_M], tl.float32)
+        loss = tl.zeros([BLOCK_M], tl.float32)
+        weight_sum = tl.zeros([BLOCK_M], tl.float32)
+        bad = rows < 0
         for k in tl.static_range(N_PREDICT):
             t = tl.load(targets_ptr + rows + k, mask=row_ok & (rows + k < n_targets), other=-1).to(tl.int64)
-            hit += tl.where(t == col, tl.load(mtp_w_ptr + k), 0.0)
+            w = tl.load(mtp_w_ptr + k)
+            ok = (t >= 0) & (t < vocab_size)
+            bad = bad | (t < -1) | (t >= vocab_size)
+            zt = tl.load(logits_ptr + rows * stride_logits + t, mask=row_ok & ok, other=0.0).to(tl.float32)
+            if SOFTCAP:
+                zt = cap_a * _softcap_u(zt, k1, k2)
+            loss += tl.where(ok, w * (lse - zt), 0.0)
+            weight_sum += tl.where(ok, w, 0.0)
         if HAS_PREFIX:
-            hit += tl.where(pt == col, pw, 0.0)
-        z = tl.load(logits_ptr + rows * stride_logits + col, mask=ok, other=0.0).to(tl.float32)
+            pt = tl.load(prefix_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+            pw = tl.load(prefix_w_ptr)
+            ok = (pt >= 0) & (pt < vocab_size)
+            bad = bad | (pt < -1) | (pt >= vocab_size)
+            zt = tl.load(logits_ptr + rows * stride_logits + pt, mask=row_ok & ok, other=0.0).to(tl.float32)
+            if SOFTCAP:
+                zt = cap_a * _softcap_u(zt, k1, k2)
+            loss += tl.where(ok, pw * (lse - zt), 0.0)
+            weight_sum += tl.where(ok, pw, 0.0)
+        tl.store(losses_ptr + rows, tl.where(bad, float("nan"), loss), mask=row_ok)
+
+        # Dense part of d loss / d s_j = weight_sum * p_j - (weights whose target is j).
+        lse_log2e = lse * LOG2E
+        coef = weight_sum * grad_mult
         if SOFTCAP:
-            u = _softcap_u(z, k1, k2)
-            p = tl.exp2(u * a_log2e - lse_log2e)
-            g = (weight_sum * p - hit) * (u - u * u) * (a_over_c * grad_mult)
-        else:
-            g = (weight_sum * tl.exp2(z * LOG2E - lse_log2e) - hit) * grad_mult
-        if GRAD_FP8:
-            g = tl.minimum(tl.maximum(g, -57344.0), 57344.0)
-            if SOFT_ROUND:
-                q_exp = tl.maximum(((g.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -14) - 2
-                magic = (((q_exp + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
-                r = (tl.abs(g) + magic) - magic
-                g = tl.where(g < 0, -r, r)
-            out = g.to(tl.float8e5, fp_downcast_rounding="rtne")
-        else:
-            if SOFT_ROUND_BF16:
-                bits = g.to(tl.int32, bitcast=True)
-                g = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-            out = g.to(dlogits_ptr.dtype.element_ty)
-        tl.store(dlogits_ptr + rows * stride_dlogits + col, out, mask=ok)
+            coef = coef * a_over_c
+        start = 0
+        while start < n_cols:
+            cols = start + offs
+            real = cols < vocab_size
+            z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
+            if SOFTCAP:
+                u = _softcap_u(z, k1, k2)
+                p = tl.exp2(u * a_log2e - lse_log2e[:, None])
+                g = p * (u - u * u) * coef[:, None]
+            else:
+                g = tl.exp2(z * LOG2E - lse_log2e[:, None]) * coef[:, None]
+            g = tl.where(real[None, :], g, 0.0)
+            if GRAD_FP8:
+                g = tl.minimum(tl.maximum(g, -57344.0), 57344.0)
+                if SOFT_ROUND:
+                    # Round exactly (RTNE) in fp32 first: adding and subtracting 1.5 * 2**(q + 23)
+                    # rounds to a multiple of 2**q, q being the e5m2 spacing at |g| (two mantissa
+                    # bits, fixed below the normal range).
+                    q_exp = tl.maximum(((g.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -14) - 2
+                    magic = (((q_exp + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+                    r = (tl.abs(g) + magic) - magic
+                    g = tl.where(g < 0, -r, r)
+                out = g.to(tl.float8e5, fp_downcast_rounding="rtne")
+            else:
+                if SOFT_ROUND_BF16:
+                    # RTNE to bf16 on the fp32 bits (the interpreter's own cast truncates).
+                    bits = g.to(tl.int32, bitcast=True)
+                    g = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+                out = g.to(dlogits_ptr.dtype.element_ty)
+            tl.store(grad_rows + cols[None, :], out, mask=row_ok[:, None] & (cols < n_cols)[None, :])
+            start += BLOCK_V
+
+        # Sparse correction: rewrite each target column with its full value.  A column hit by several
+        # terms gets the same value from each (idempotent).  The barrier orders these stores after
+        # the dense ones of other threads in this program.
+        tl.debug_barrier()
+        for j in tl.static_range(N_PREDICT + HAS_PREFIX):
+            if j < N_PREDICT:
+                col = tl.load(targets_ptr + rows + j, mask=row_ok & (rows + j < n_targets), other=-1).to(tl.int64)
+            else:
+                col = pt
+            ok = row_ok & (col >= 0) & (col < vocab_size)
+            hit = tl.zeros([BLOCK_M], tl.float32)
+            for k in tl.static_range(N_PREDICT):
+                t = tl.load(targets_ptr + rows + k, mask=row_ok & (rows + k < n_targets), other=-1).to(tl.int64)
+                hit += tl.where(t == col, tl.load(mtp_w_ptr + k), 0.0)
+            if HAS_PREFIX:
+                hit += tl.where(pt == col, pw, 0.0)
+            z = tl.load(logits_ptr + rows * stride_logits + col, mask=ok, other=0.0).to(tl.float32)
+            if SOFTCAP:
+                u = _softcap_u(z, k1, k2)
+                p = tl.exp2(u * a_log2e - lse_log2e)
+                g = (weight_sum * p - hit) * (u - u * u) * (a_over_c * grad_mult)
+            else:
+                g = (weight_sum * tl.exp2(z * LOG2E - lse_log2e) - hit) * grad_mult
+            if GRAD_FP8:
+                g = tl.minimum(tl.maximum(g, -57344.0), 57344.0)
+                if SOFT_ROUND:
+                    q_exp = tl.maximum(((g.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -14) - 2
+                    magic = (((q_exp + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+                    r = (tl.abs(g) + magic) - magic
+                    g = tl.where(g < 0, -r, r)
+                out = g.to(tl.float8e5, fp_downcast_rounding="rtne")
+            else:
+                if SOFT_ROUND_BF16:
+                    bits = g.to(tl.int32, bitcast=True)
+                    g = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+                out = g.to(dlogits_ptr.dtype.element_ty)
+            tl.store(dlogits_ptr + rows * stride_dlogits + col, out, mask=ok)
+        row_block += tl.num_programs(0)
 
 
 @triton.jit
@@ -546,6 +555,7 @@ def softcapped_ce_fwd_bwd(
     block_v: int | None = None,
     block_m: int | None = None,
     num_warps: int = 4,
+    max_programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and its logits gradient in one Triton pass (forward and backward together).
 
@@ -558,6 +568,8 @@ def softcapped_ce_fwd_bwd(
     ``block_v``: vocabulary chunk per loop step (power of two), default min(1024, V_pad);
     ``block_m``: rows per program (power of two), default 1 (64 under the interpreter);
     ``num_warps``: Triton warps per program.
+    ``max_programs``: at most this many programs, each looping over row blocks (a persistent grid:
+    fewer rows in flight, so the second pass over a row can hit L2); None = one program per block.
     """
     vocab_size = _check_logits(logits, vocab_size)
     if logits.device.type != "cuda" and not interpreting():
@@ -597,11 +609,15 @@ def softcapped_ce_fwd_bwd(
         block_m = min(64, next_pow2(n)) if interpreting() else 1
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 1, got {block_m}")
+    if max_programs is not None and max_programs < 1:
+        raise ValueError(f"max_programs must be >= 1 or None, got {max_programs}")
+    row_blocks = cdiv(n, block_m)
+    programs = row_blocks if max_programs is None else min(row_blocks, int(max_programs))
     a, b, c = softcap if softcap is not None else (1.0, 0.0, 1.0)
     if softcap is not None and a > 64:
         raise ValueError(f"softcap A={a} is too large for the kernel's fixed softmax offset (A <= 64)")
     with launch_note("_ce_fwd_bwd_kernel", reads=(logits, targets, prefix_targets), writes=(dlogits_out, losses_out)):
-        _ce_fwd_bwd_kernel[(cdiv(n, block_m),)](
+        _ce_fwd_bwd_kernel[(programs,)](
             logits,
             logits.stride(0),
             dlogits_out,
@@ -620,6 +636,7 @@ def softcapped_ce_fwd_bwd(
             -float(b) * _LOG2E / float(c),
             float(a) / float(c),
             float(grad_out_scale),
+            row_blocks,
             N_PREDICT=w.numel(),
             HAS_PREFIX=prefix_targets is not None,
             SOFTCAP=softcap is not None,
