@@ -1,6 +1,6 @@
 """The record baseline's attention prep (QK norm, RoPE, key offset, value residual) compiled,
-forward + backward: the sliced RoPE formulation, the elementwise one and upstream's chunked
-bf16-factor one, on one CUDA GPU.
+forward + backward: the sliced RoPE formulation, the elementwise one on sliced or split q/k/v, and
+upstream's chunked bf16-factor one, on one CUDA GPU.
 
 Why: the fifth/sixth device sessions' kernel inventory (``benchmarks/compare_kernels.py`` of our
 record profile against upstream f411b3d's) put ~80 ms per stage-3 step into Inductor pointwise
@@ -23,6 +23,7 @@ Usage: ``python benchmarks/bench_rotary.py [--tokens 49152] [--reps 5]``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -63,14 +64,22 @@ def sliced_prep(qkv, aux_v, cos, sin, *, kind, H, D, rope_dims):
     return q, k, v
 
 
-def elementwise_prep(qkv, aux_v, yarn, *, kind, H, D, rope_dims):
-    """The record path now: the model's own Yarn.rotate / rotate_paired and shift_stationary_keys."""
+def elementwise_prep(qkv, aux_v, yarn, *, kind, H, D, rope_dims, split=False):
+    """The model's own Yarn.rotate / rotate_paired and shift_stationary_keys on q, k, v taken from
+    qkv by slicing (the record path of the sixth and seventh sessions: its backward sums three
+    zero-padded ``slice_backward``s, which Inductor compiles to one flat loop over (T, 3HD) with
+    three masked regions) or, ``split=True``, by ``torch.split`` (the record path now: the backward
+    is a ``cat``, which Inductor writes region by region; CPU codegen shows the separate loops)."""
     from speedrun.model.rotary import shift_stationary_keys
 
     T = qkv.shape[0]
-    q = F.rms_norm(qkv[:, : H * D].view(T, H, D), (D,))
-    k = F.rms_norm(qkv[:, H * D : 2 * H * D].view(T, H, D), (D,))
-    v = qkv[:, 2 * H * D :].view(T, H, D)
+    if split:
+        q, k, v = torch.split(qkv, (H * D, H * D, H * D), dim=1)
+    else:
+        q, k, v = qkv[:, : H * D], qkv[:, H * D : 2 * H * D], qkv[:, 2 * H * D :]
+    q = F.rms_norm(q.view(T, H, D), (D,))
+    k = F.rms_norm(k.view(T, H, D), (D,))
+    v = v.view(T, H, D)
     if kind == "paired":
         q, k = yarn.rotate_paired(q), yarn.rotate_paired(k)
     else:
@@ -142,6 +151,7 @@ def main(argv=None) -> int:
 
     f_cos, f_sin = yarn.factors(2 * T, dev)
     arms = {"sliced": (sliced_prep, (cos, sin)), "elementwise": (elementwise_prep, (yarn,)),
+            "split": (functools.partial(elementwise_prep, split=True), (yarn,)),
             "chunked_bf16": (chunked_prep, (f_cos.bfloat16(), f_sin.bfloat16()))}
     # one compiled lambda per (kind, arm) shares a code object: allow them all without falling back to eager
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(KINDS) * len(arms))

@@ -48,9 +48,10 @@ def test_host_bench_without_a_gpu_says_so(capsys, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["plain", "paired", "long_key_offset", "value_residual"])
 def test_rotary_bench_arms_compute_the_same(kind):
-    """bench_rotary's arms (the record's old sliced RoPE path, the elementwise one, and upstream's
-    chunked formulation with fp32 tables here) give the same q, k, v and gradients on every layer
-    kind it times (the first two bit for bit)."""
+    """bench_rotary's arms (the record's old sliced RoPE path, the elementwise one on sliced and on
+    split q/k/v, and upstream's chunked formulation with fp32 tables here) give the same q, k, v and
+    gradients on every layer kind it times (the first three bit for bit)."""
+    import functools
     import importlib.util
 
     import torch
@@ -68,7 +69,8 @@ def test_rotary_bench_arms_compute_the_same(kind):
     grads = [torch.randn(T, H, D, generator=g) for _ in range(3)]
     res = []
     f_cos, f_sin = y.factors(2 * T, "cpu")
-    arms = ((mod.sliced_prep, (cos, sin)), (mod.elementwise_prep, (y,)), (mod.chunked_prep, (f_cos, f_sin)))
+    arms = ((mod.sliced_prep, (cos, sin)), (mod.elementwise_prep, (y,)),
+            (functools.partial(mod.elementwise_prep, split=True), (y,)), (mod.chunked_prep, (f_cos, f_sin)))
     for fn, tables in arms:
         qkv, aux = qkv0.clone().requires_grad_(), aux0.clone().requires_grad_()
         outs = fn(qkv, aux, *tables, kind=kind, H=H, D=D, rope_dims=y.rope_dims)
@@ -80,7 +82,8 @@ def test_rotary_bench_arms_compute_the_same(kind):
                 assert b is None
                 continue
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
-    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    for other in res[1:3]:  # the sliced and both elementwise arms: bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(res[0], other) if a is not None)
 
 
 def test_inductor_sources_extracts_the_slowest_kernels(tmp_path):
