@@ -676,8 +676,9 @@ class RecordGPT(nn.Module):
         fn = self._backend(q.device)
         return fn(q, k, v, cu_seqlens, max_seqlen, window=window, scale=self.yarn.attn_scale)
 
-    def _attention(self, i, h, aux_v, gates, cu_seqlens, max_seqlen, args: ForwardArgs):
-        """Attention sublayer of layer ``i``: h (T, D) normalised input -> (T, D)."""
+    def _attention(self, i, h, aux_v, gates, cu_seqlens, max_seqlen, args: ForwardArgs, banks):
+        """Attention sublayer of layer ``i``: h (T, D) normalised input -> (T, D).  ``banks``: the
+        per-layer views (qk_bank split by layer, vo_bank unbound) that :meth:`hidden` takes once."""
         a, H, dqk, dv = self.arch, self.num_heads, self.qk_dim, self.v_dim
         T = h.shape[0]
         j = self.attn_index[i]
@@ -688,16 +689,16 @@ class RecordGPT(nn.Module):
         if self.cfg.qkv_path != "reference":
             # QK-prep writes Q/K at the backend's width when the backend would pad them anyway.
             padded = dqk < dv and getattr(self._backend(h.device), "pads_qk_to_v", False)
-            q, k, v = self._packed_qkv(h, j, sa[0], aux_v, paired, long and a.key_offset and not paired, padded)
+            q, k, v = self._packed_qkv(h, j, sa[0], aux_v, paired, long and a.key_offset and not paired, padded, banks)
             if paired:
                 y = self._attend(q, k, v, 2 * cu_seqlens, 2 * max_seqlen, window).reshape(T, H, dv)
             else:
                 y = self._attend(q, k, v, cu_seqlens, max_seqlen, window)
             if padded:  # the DC correction reads the real Dqk columns (views, no copy)
                 q, k = q[..., :dqk], k[..., :dqk]
-            return self._attention_out(i, j, y, q, k, v, sa, gates, cu_seqlens, paired)
-        w_qk = self.qk_bank[j * H : (j + 1) * H].reshape(2 * H * dqk, -1)
-        w = torch.cat((w_qk, self.vo_bank[2 * j])).type_as(h) * sa[0]
+            return self._attention_out(i, j, y, q, k, v, sa, gates, cu_seqlens, paired, banks)
+        qk_w, vo_w = banks
+        w = torch.cat((qk_w[j].reshape(2 * H * dqk, -1), vo_w[2 * j])).type_as(h) * sa[0]
         # split, not slicing: the backward is then a cat that Inductor writes region by region,
         # where three slice_backwards summed compiled to one flat loop over (T, 2304) with three
         # masked regions, bound by its index arithmetic (~0.65 ms per layer at stage 3, seventh
@@ -719,9 +720,9 @@ class RecordGPT(nn.Module):
             ).reshape(T, H, dv)
         else:
             y = self._attend(q, k, v, cu_seqlens, max_seqlen, window)
-        return self._attention_out(i, j, y, q, k, v, sa, gates, cu_seqlens, paired)
+        return self._attention_out(i, j, y, q, k, v, sa, gates, cu_seqlens, paired, banks)
 
-    def _attention_out(self, i, j, y, q, k, v, sa, gates, cu_seqlens, paired):
+    def _attention_out(self, i, j, y, q, k, v, sa, gates, cu_seqlens, paired, banks):
         """DC correction, XSA, output gate and O projection: y (T, H, Dv) -> (T, D)."""
         a, H, dv = self.arch, self.num_heads, self.v_dim
         T = y.shape[0]
@@ -733,9 +734,9 @@ class RecordGPT(nn.Module):
                 y = xsa(y, v, gates["xsa"][i])
         if i in gates["attn"]:
             y = y * gates["attn"][i].type_as(y)[..., None]
-        return F.linear(y.reshape(T, H * dv), self.vo_bank[2 * j + 1].type_as(y) * sa[1])
+        return F.linear(y.reshape(T, H * dv), banks[1][2 * j + 1].type_as(y) * sa[1])
 
-    def _packed_qkv(self, h, j, sa0, aux_v, paired: bool, key_offset: bool, padded: bool = False):
+    def _packed_qkv(self, h, j, sa0, aux_v, paired: bool, key_offset: bool, padded: bool, banks):
         """The candidate's projection: one packed [q|k|v]-per-head GEMM (FP8 with ``qkv_path=fused_fp8``)
         read straight from the banks, then the fused QK-prep kernel (norm, RoPE, key offset, layout).
         Returns q, k (T, H, Dqk) and v (T, H, Dv), or (2T, H/2, D) views on paired layers; with
@@ -747,7 +748,7 @@ class RecordGPT(nn.Module):
 
         H, dqk, dv = self.num_heads, self.qk_dim, self.v_dim
         T = h.shape[0]
-        w_qk, w_v = self.qk_bank[j * H : (j + 1) * H], self.vo_bank[2 * j]
+        w_qk, w_v = banks[0][j], banks[1][2 * j]
         if self.cfg.qkv_path == "fused_fp8":
             qkv = opaque.call(self._kernel_handles[("qkv", j)], [h, w_qk, w_v, sa0])[0]
         else:
@@ -893,6 +894,13 @@ class RecordGPT(nn.Module):
         cache_skip = cache_saved = x_last = None
         ra, rm = self.resid_lambdas[:, 0].type_as(x), self.resid_lambdas[:, 1].type_as(x)
         pa, pm = self.post_lambdas[:, 0].type_as(x), self.post_lambdas[:, 1].type_as(x)
+        # Each layer's (fc, proj) by unbind, not bank[i, 0] indexing: the gradient of 2L selects
+        # was one pointwise kernel over the whole bank loading all 2L per-layer gradients for every
+        # element (4.3 ms per stage-3 step, ~10x its bytes, seventh device session); unbind's
+        # backward is a stack, written region by region.
+        mlp_w = [layer.unbind(0) for layer in self.mlp_bank.unbind(0)]
+        # the same for the attention banks (their gradients summed 2-3 slice/select_backwards per layer)
+        banks = (self.qk_bank.split(H, dim=0), self.vo_bank.unbind(0))
 
         for i in range(L):
             mu = None
@@ -922,7 +930,7 @@ class RecordGPT(nn.Module):
                     gate_in = torch.cat((h[:, :w], ve[jv][:, :w]), dim=-1)
                     vg = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_bank[jv].type_as(h)))  # (T, H)
                     aux_v = (vg[..., None] * ve[jv].view(T, H, dv)).view(T, D)
-                y = self._attention(i, h, aux_v, gates, cu_seqlens, max_seqlen, args)
+                y = self._attention(i, h, aux_v, gates, cu_seqlens, max_seqlen, args, banks)
                 if mu is not None:
                     x = mu[8] * x + mu[9] * y + mu[10] * x_in
                     x = self._add_bigram(x, xb, mu[11])
@@ -932,9 +940,9 @@ class RecordGPT(nn.Module):
                         x = self._add_bigram(x, xb, gates["bigram"][i])
             h = _norm(x)
             if mu is not None:
-                x = mu[12] * x + mu[13] * self.mlp_impl(h, self.mlp_bank[i, 0], self.mlp_bank[i, 1], layer=i)
+                x = mu[12] * x + mu[13] * self.mlp_impl(h, *mlp_w[i], layer=i)
             else:
-                x = rm[i] * x + pm[i] * self.mlp_impl(h, self.mlp_bank[i, 0], self.mlp_bank[i, 1], layer=i)
+                x = rm[i] * x + pm[i] * self.mlp_impl(h, *mlp_w[i], layer=i)
             if i == a.skip_from:
                 cache_skip = x
             if i == a.saved_layer:
