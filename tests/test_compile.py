@@ -190,8 +190,8 @@ def test_bank_gradients_are_stacked_not_summed_selects():
     gradient is one cat/stack in the backward graph.  Indexing them per layer (bank[i, 0],
     bank[j*H:(j+1)*H]) made it a sum of zero-padded select/slice_backwards, which Inductor
     compiled to kernels loading every layer's gradient for every element (seventh device session:
-    4.3 ms per stage-3 step for the MLP bank alone).  The q/k/v split of the projection output is
-    checked the same way."""
+    4.3 ms per stage-3 step for the MLP bank alone).  The value embeddings and the q/k/v split of
+    the projection output are checked the same way."""
     from types import SimpleNamespace
 
     from functorch.compile import make_boxed_func
@@ -221,6 +221,10 @@ def test_bank_gradients_are_stacked_not_summed_selects():
                      if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
                      and tuple(n.meta["val"].shape) == shape]
         assert producers and not any(p in summed for p in producers), (name, producers)
+    # the value embeddings' (n_ve, T, D) gradient: a stack, not summed select_backwards
+    ve_shape = (model.num_ve, T, 64)
+    assert not any(str(n.target) in summed and tuple(n.meta["val"].shape) == ve_shape
+                   for n in graphs["bw"].graph.nodes if n.op == "call_function" and "val" in n.meta)
     # the (T, 3 H D) gradient of the QKV projection output: a cat, not summed slice_backwards
     width = 3 * 2 * 32
     assert not any(str(n.target) == "aten.slice_backward.default" and tuple(n.meta["val"].shape) == (T, width)
