@@ -353,3 +353,24 @@ def test_step_synchronous_scales_are_the_same_for_every_micro_batch(monkeypatch)
         assert torch.isclose(state.post_amax, post, rtol=0.1)
     for t in (x, big):  # each micro-batch's output does not depend on its position in the step
         assert torch.equal(outs[True][id(t)], outs[False][id(t)])
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["bf16", "fp8_fwd", "fp8_full"])
+def test_fused_mlp_hook_returns_the_banks_layout_without_a_copy(mode):
+    """The record's FusedMLP gets w_proj as (H, D); its gradient comes out of the kernel as that
+    contiguous (H, D) tensor (dW2 computed as post^T g), so the opaque op's output check passes it
+    through instead of copying a transpose (88 copies per record step before)."""
+    from speedrun.kernels.opaque import KernelCtx
+    from speedrun.model.kernel_hooks import FusedMLP
+
+    x, w1, w2, gy = inputs(9)  # w2 (D, H)
+    w_proj = w2.t().contiguous()  # the bank's (H, D)
+    hook = FusedMLP(mode)
+    ctx = KernelCtx()
+    y = hook._forward(ctx, [x, w1, w_proj], 0, 0)[0]
+    dx, dw1, dw_proj = hook._backward(ctx, [gy])
+    assert dw_proj.shape == w_proj.shape and dw_proj.is_contiguous()
+    ref = _reference(x, w1, w2, gy)
+    bound = {"bf16": 1e-2, "fp8_fwd": 8e-2, "fp8_full": 0.12}[mode]  # as test_mlp_forward_backward_vs_reference
+    assert rel(dw_proj.t(), ref[3]) < bound and rel(dx, ref[1]) < bound and y.shape == x.shape

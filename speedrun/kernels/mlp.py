@@ -655,7 +655,9 @@ class _Relu2MLP(torch.autograd.Function):
             dpre = relu2_gemm(g, w2.t(), aux=post, out_dtype=g.dtype).out
             dx = dpre @ w1
             dw1 = dpre.t() @ x
-            dw2 = g.t() @ post
+            # dW2 (D, H) as the transpose of a contiguous (H, D) product: the banks store w2 as
+            # (H, D), whose gradient then needs no transposing copy (88 per step in the record)
+            dw2 = (post.t() @ g).t()
             return dx, dw1, dw2, None, None, None, None
         xqt, x_scale, pq, pqt, p_scale, w1t, w1s, w2t, w2s = ctx.saved_tensors
         state = ctx.state
@@ -672,7 +674,7 @@ class _Relu2MLP(torch.autograd.Function):
         dtype = g.dtype
         dx = scaled_mm(r.q, w1t.t(), d_scale, w1s, out_dtype=dtype)
         dw1 = scaled_mm(r.qt, xqt.t(), d_scale, x_scale, out_dtype=dtype)
-        dw2 = scaled_mm(gqt, pqt.t(), g_scale, p_scale, out_dtype=dtype)
+        dw2 = scaled_mm(pqt, gqt.t(), p_scale, g_scale, out_dtype=dtype).t()  # (H, D) contiguous, as above
         return dx, dw1, dw2, None, None, None, None
 
 
@@ -699,7 +701,8 @@ def relu2_mlp_forward(ctx, x, w1, w2, *, mode: str, cache=None, scales: "MLPScal
 
 
 def relu2_mlp_backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward half: ``g`` (..., D) -> (dx like x, dw1 (H, D), dw2 (D, H))."""
+    """The backward half: ``g`` (..., D) -> (dx like x, dw1 (H, D), dw2 (D, H)); dw2 is the
+    transpose of a contiguous (H, D) tensor (the layout the record's bank stores w2 in)."""
     dx, dw1, dw2 = _Relu2MLP.backward(ctx, g.reshape(-1, g.shape[-1]))[:3]
     return dx.reshape(ctx.x_shape), dw1, dw2
 
