@@ -73,9 +73,11 @@ for part in $parts; do
           --set train.max_docs=256 --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --out "/tmp/prof_$arm" --top 25 2>&1 | tail -45
         cp "/tmp/prof_$arm/profile.md" "$OUT/profile_$arm.md" 2>/dev/null
         cp "/tmp/prof_$arm/profile.json" "$OUT/profile_$arm.json" 2>/dev/null
-        # the generated source of the slowest Inductor kernels, to read why they are slow
+        # the generated source of the slowest Inductor kernels, to read why they are slow (one
+        # file: the device tool brings back only a few files per folder)
         python3 benchmarks/inductor_sources.py "/tmp/prof_$arm/profile.json" --top "${INDUCTOR_TOP:-8}" \
-          --out "$OUT/inductor_$arm" 2>&1 | tail -12
+          --out "/tmp/inductor_$arm" 2>&1 | tail -12
+        cat /tmp/inductor_"$arm"/*.py > "$OUT/inductor_$arm.txt" 2>/dev/null
       done ;;
     ncu)
       # Measured DRAM bytes of our own Triton kernels (NCU_KERNELS regex) in one record step at stage

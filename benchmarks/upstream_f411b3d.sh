@@ -46,6 +46,10 @@ collect() {
   cp "$UP/stdout.txt" "$OUT/upstream_stdout.txt" 2>/dev/null
   cp "$UP/bench_config.json" "$OUT/" 2>/dev/null
   cp "$UP/upstream_kernels.json" "$OUT/" 2>/dev/null  # with --profile START:COUNT
+  if [ -e "$UP/upstream_kernels.json" ]; then  # the source of its slowest Inductor kernels (same cache)
+    python3 "$R/benchmarks/inductor_sources.py" "$UP/upstream_kernels.json" --top "${INDUCTOR_TOP:-12}" \
+      --out /tmp/inductor_upstream > /dev/null 2>&1 && cat /tmp/inductor_upstream/*.py > "$OUT/inductor_upstream.txt"
+  fi
   local logf
   logf=$(ls -t "$UP"/logs/*.txt 2>/dev/null | head -1)
   [ -n "$logf" ] || { log "no upstream log yet"; tail -20 "$UP/stdout.txt" 2>/dev/null; return; }
