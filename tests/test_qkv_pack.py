@@ -242,3 +242,34 @@ def test_bad_shapes_raise_value_error(case, match):
             pack_qkv_fp8_reference(w_qk, w_v, 1.0)
         else:
             packed_qkv_linear_reference(x, packed, w_qk, w_v, 1.0, num_heads=nh)
+
+
+@needs_kernel
+@pytest.mark.parametrize("g_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("want_dsa", [True, False])
+@pytest.mark.parametrize("qk_3d", [True, False])
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_unpack_packed_grad_matches_reference(g_dtype, want_dsa, qk_3d, w_dtype, monkeypatch):
+    """The backward's unpack kernel: every bank-gradient element bit for bit as the reference
+    (outputs poisoned first), dsa to fp32 summation order; fresh inputs, sa < 0, uneven tiles."""
+    from speedrun.kernels import qkv_pack as qp
+
+    H, dqk, dv, D = 3, 24, 40, 80  # N = 264 rows: not a multiple of the interpreter's 32-row tiles
+    g_ = torch.Generator().manual_seed(11 + qk_3d)
+    N = H * (2 * dqk + dv)
+    g = torch.randn(N, D, generator=g_).to(g_dtype)
+    w_qk = torch.randn(H, 2 * dqk, D, generator=g_).to(w_dtype)
+    w_qk = w_qk if qk_3d else w_qk.reshape(2 * H * dqk, D)
+    w_v = torch.randn(H * dv, D, generator=g_).to(w_dtype)
+    sa = torch.tensor(-0.37)
+    poisoned = lambda t, **kw: torch.full_like(t, float("nan"), **kw)  # noqa: E731
+    monkeypatch.setattr(qp.torch, "empty_like", poisoned)
+    dqk_w, dv_w, dsa = qp.unpack_packed_grad(g, w_qk, w_v, sa, H, want_dsa)
+    monkeypatch.undo()
+    rq, rv, rdsa = qp.unpack_packed_grad_reference(g, w_qk, w_v, sa, H, want_dsa)
+    assert dqk_w.shape == w_qk.shape and dv_w.shape == w_v.shape and dqk_w.dtype == w_dtype
+    assert torch.equal(dqk_w, rq) and torch.equal(dv_w, rv)
+    if want_dsa:
+        assert dsa.shape == sa.shape and abs(dsa - rdsa).item() <= 1e-5 * abs(rdsa).item() + 1e-6
+    else:
+        assert dsa is None and rdsa is None

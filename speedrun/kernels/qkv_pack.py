@@ -60,7 +60,9 @@ from speedrun.kernels.fp8_cache import (
     current_scale,
     E4M3,
     FP8_MAX,
+    GRID,
     _fp8_bits,
+    _round_to_grid,
     grid_constants,
     headroom_scale,
     interpreting,
@@ -79,6 +81,8 @@ __all__ = [
     "packed_qkv_linear",
     "packed_qkv_linear_reference",
     "packed_weight_reference",
+    "unpack_packed_grad",
+    "unpack_packed_grad_reference",
 ]
 
 WEIGHT_HEADROOM = 1.12  # delayed weight scale headroom (as FP8WeightCache)
@@ -340,6 +344,101 @@ def pack_qkv_fp8_reference(
 _CURRENT_SCALING = InputScaling()  # current scaling keeps no state, so one instance serves every call
 
 
+@triton.jit
+def _unpack_grad_kernel(
+    g_ptr, wqk_ptr, wv_ptr, dqk_ptr, dv_ptr, sa_ptr, partial_ptr, N,
+    H: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, D: tl.constexpr, WANT_DSA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EXACT: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, SUB_C: tl.constexpr, MIN_NORMAL: tl.constexpr,
+):
+    """Rows of the packed weight gradient g (N, D) (per head [q | k | v]) into the banks' layouts
+    times sa: q and k rows into dqk (2 H DQK, D) = [q heads; k heads], v rows into dv (H DV, D);
+    with WANT_DSA, this program's sum of g * W (W read from the banks) into partial_ptr[pid]."""
+    pid_n = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    P: tl.constexpr = 2 * DQK + DV
+    head = rows // P
+    c = rows % P
+    is_v = c >= 2 * DQK
+    qk_row = tl.where(c < DQK, head * DQK + c, (H + head) * DQK + (c - DQK))
+    v_row = head * DV + (c - 2 * DQK)
+    ok = rows < N
+    m = ok[:, None] & (cols[None, :] < D)
+    mq = m & ~is_v[:, None]
+    mv = m & is_v[:, None]
+    g = tl.load(g_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    s = tl.load(sa_ptr)
+    out = g * s
+    if EXACT:  # the interpreter's fp32 -> bf16 cast truncates; round to nearest-even first
+        out = _round_to_grid(out, MANT, EMIN, SUB_C, MIN_NORMAL)
+    qk_off = qk_row[:, None].to(tl.int64) * D + cols[None, :]
+    v_off = v_row[:, None].to(tl.int64) * D + cols[None, :]
+    tl.store(dqk_ptr + qk_off, out.to(dqk_ptr.dtype.element_ty), mask=mq)
+    tl.store(dv_ptr + v_off, out.to(dv_ptr.dtype.element_ty), mask=mv)
+    if WANT_DSA:
+        w = tl.load(wqk_ptr + qk_off, mask=mq, other=0.0).to(tl.float32)
+        w += tl.load(wv_ptr + v_off, mask=mv, other=0.0).to(tl.float32)
+        tl.store(partial_ptr + pid_n * tl.num_programs(1) + pid_d, tl.sum(tl.sum(g * w, axis=1), axis=0))
+
+
+UNPACK_CONFIG = (32, 256, 4)  # BLOCK_N, BLOCK_D, num_warps (D = 768: three column blocks)
+
+
+def unpack_packed_grad_reference(g, w_qk, w_v, sa, num_heads: int, want_dsa: bool):
+    """Reference of :func:`unpack_packed_grad` (same signature): the packed weight gradient ``g``
+    (N, D) (bf16 or fp32, rows per head [q | k | v]) as the banks' gradients ``(dw_qk like w_qk,
+    dw_v like w_v)`` times ``sa`` (0-d tensor), and ``dsa = sum(g * W_packed)`` (sa's dtype; None
+    without ``want_dsa``), in fp32 math."""
+    H = num_heads
+    dqk = w_qk.numel() // (2 * H * w_qk.shape[-1])
+    D = g.shape[1]
+    dv = w_v.shape[0] // H
+    per_head = g.float().view(H, 2 * dqk + dv, D)
+    dsa = None
+    if want_dsa:
+        qk = w_qk.reshape(2, H, dqk, D).float()
+        dsa = ((per_head[:, :dqk] * qk[0]).sum() + (per_head[:, dqk : 2 * dqk] * qk[1]).sum()
+               + (per_head[:, 2 * dqk :] * w_v.view(H, dv, D).float()).sum())
+        dsa = dsa.reshape(sa.shape).to(sa.dtype)
+    s = sa.float()
+    dw_qk = (torch.cat((per_head[:, :dqk], per_head[:, dqk : 2 * dqk]), dim=0) * s).reshape(w_qk.shape).to(w_qk.dtype)
+    dw_v = (per_head[:, 2 * dqk :] * s).reshape(w_v.shape).to(w_v.dtype)
+    return dw_qk, dw_v, dsa
+
+
+def unpack_packed_grad(g, w_qk, w_v, sa, num_heads: int, want_dsa: bool):
+    """The packed FP8 QKV GEMM's weight gradient into the banks (see the reference for the
+    contract), in one Triton pass that reads ``g`` and (for dsa) the weights once: the torch
+    version took ~15 small kernels per layer and micro-batch (fp32 copies, three products and
+    sums, a cat, casts), each a launch the host pays for.  dsa sums per-program partials in a
+    fixed order (deterministic)."""
+    ok = (triton_usable(g) and g.is_contiguous() and w_qk.is_contiguous() and w_v.is_contiguous()
+          and g.dtype in (torch.float32, torch.bfloat16) and w_qk.dtype == w_v.dtype)
+    if not ok:
+        return unpack_packed_grad_reference(g, w_qk, w_v, sa, num_heads, want_dsa)
+    H = num_heads
+    N, D = g.shape
+    dqk = w_qk.numel() // (2 * H * D)
+    dv = w_v.shape[0] // H
+    dw_qk = torch.empty_like(w_qk)
+    dw_v = torch.empty_like(w_v)
+    bn, bd, warps = (32, 64, 1) if interpreting() else UNPACK_CONFIG
+    grid = (cdiv(N, bn), cdiv(D, bd))
+    partial = torch.empty(grid[0] * grid[1] if want_dsa else 1, dtype=torch.float32, device=g.device)
+    s = sa.detach().reshape(()).float()
+    with launch_note("_unpack_grad_kernel", reads=(g, w_qk if want_dsa else None, w_v if want_dsa else None),
+                     writes=(dw_qk, dw_v)):
+        _unpack_grad_kernel[grid](
+            g, w_qk, w_v, dw_qk, dw_v, s, partial, N, H=H, DQK=dqk, DV=dv, D=D, WANT_DSA=want_dsa,
+            BLOCK_N=bn, BLOCK_D=bd, num_warps=warps,
+            EXACT=interpreting() and w_qk.dtype in GRID, **grid_constants(w_qk.dtype if w_qk.dtype in GRID else torch.bfloat16),
+        )
+    dsa = partial.sum().reshape(sa.shape).to(sa.dtype) if want_dsa else None
+    return dw_qk, dw_v, dsa
+
+
 class _PackedQKVLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_qk, w_v, sa, data, data_t, scale, H, dqk, dv, dw_fp8, fast_accum, inputs):
@@ -375,19 +474,8 @@ class _PackedQKVLinear(torch.autograd.Function):
         if ctx.dw_fp8:
             dw_eff = scaled_mm(dyqt, xqt.t(), gs, xs, out_dtype=torch.float32)  # (N, D)
         else:
-            dw_eff = (dy.t() @ x).float()
-        D = dw_eff.shape[1]
-        per_head = dw_eff.view(H, 2 * dqk + dv, D)
-        dsa = None
-        if ctx.sa_is_tensor and ctx.needs_input_grad[3]:
-            qk = w_qk.reshape(2, H, dqk, D).float()
-            dsa = ((per_head[:, :dqk] * qk[0]).sum() + (per_head[:, dqk : 2 * dqk] * qk[1]).sum()
-                   + (per_head[:, 2 * dqk :] * w_v.view(H, dv, D).float()).sum())
-            dsa = dsa.reshape(sa.shape).to(sa.dtype)
-        s = sa.float()
-        dqk_w = torch.cat((per_head[:, :dqk], per_head[:, dqk : 2 * dqk]), dim=0) * s  # (2H, dqk, D)
-        dw_qk = dqk_w.reshape(w_qk.shape).to(w_qk.dtype)
-        dw_v = (per_head[:, 2 * dqk :] * s).reshape(w_v.shape).to(w_v.dtype)
+            dw_eff = dy.t() @ x  # (N, D) in x's dtype, fp32 accumulation inside the GEMM
+        dw_qk, dw_v, dsa = unpack_packed_grad(dw_eff, w_qk, w_v, sa, H, ctx.sa_is_tensor and ctx.needs_input_grad[3])
         return (dx, dw_qk, dw_v, dsa) + (None,) * 9
 
 
