@@ -22,6 +22,15 @@ if TYPE_CHECKING:
 PREFIX = "speedrun.kernel"
 _NAME = re.compile(rf"^{re.escape(PREFIX)}:(?P<kind>[a-z0-9_]+):(?P<kernel>[A-Za-z0-9_]+):bytes=(?P<bytes>\d+):flops=(?P<flops>\d+)$")
 _NULL = contextlib.nullcontext()
+_PROFILER = None  # torch.autograd.profiler, bound on first use (a per-call import costs ~0.5 us)
+
+
+def _load_profiler():
+    global _PROFILER
+    from torch.autograd import profiler
+
+    _PROFILER = profiler
+    return profiler
 
 
 class LaunchNote(NamedTuple):
@@ -44,8 +53,7 @@ def launch_note(kernel: str, reads: Sequence["torch.Tensor | None"] = (), writes
     """Context manager around one launch of ``kernel`` (its Triton function name): reads and
     writes are the tensors it must read and write at least once (whole tensors), ``extra_bytes``
     what it needs of others (e.g. the rows it reads of a table); ``flops`` > 0 marks a GEMM."""
-    from torch.autograd import profiler
-
+    profiler = _PROFILER or _load_profiler()
     if not profiler._is_profiler_enabled:
         return _NULL
     kind = "memory"
