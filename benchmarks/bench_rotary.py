@@ -8,13 +8,16 @@ kernels named ``..._fused_rms_norm_backward_..._slice_backward...`` against ~11 
 The record path rotated with slices, ``stack`` and ``cat`` (:func:`speedrun.model.rotary.apply_rotary`,
 strided head selects on paired layers, two ``cat``s for the key offset); it now uses factor tables
 and a pair swap (:func:`speedrun.model.rotary.rotate_with_factors`, :func:`shift_stationary_keys`).
-This script times both, each compiled with ``torch.compile`` (default mode), per layer kind at
+The seventh session showed the slow kernel is the backward of the q/k/v *slicing* of the
+projection output (three summed slice_backwards, one flat loop with three masked regions), which
+the ``split`` arm (the record path now) replaces by a cat.
+This script times the arms, each compiled with ``torch.compile`` (default mode), per layer kind at
 stage-3 shapes: T = 49,152 tokens, H = 6 heads of 128 (qkv (T, 2304) bf16 in the record's
 [q | k | v] block layout).
 
 Arms are interleaved (``--reps`` rounds, each timing every arm with ``triton.testing.do_bench``);
-prints medians, the sliced/elementwise ratio, the compulsory bytes and the fraction of the measured
-copy bandwidth, and the kernels of one forward+backward of each arm (torch.profiler).  Writes
+prints medians, each arm's ratio to the sliced one, the compulsory bytes and the floor at the
+measured copy bandwidth, and the kernels of one forward+backward of each arm (torch.profiler).  Writes
 ``$OUT/bench_rotary.json``.
 
 Usage: ``python benchmarks/bench_rotary.py [--tokens 49152] [--reps 5]``.
@@ -133,6 +136,7 @@ def main(argv=None) -> int:
         return 2
     import triton.testing
 
+    from speedrun.evidence.fingerprint import measure_copy_tbps
     from speedrun.model.yarn import Yarn
 
     dev = "cuda"
@@ -143,11 +147,7 @@ def main(argv=None) -> int:
     qkv = torch.randn(T, 3 * H * D, device=dev, generator=g).bfloat16().requires_grad_()
     aux_v = torch.randn(T, H * D, device=dev, generator=g).bfloat16().requires_grad_()
     grads = [torch.randn(T, H, D, device=dev, generator=g).bfloat16() for _ in range(3)]
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=100, return_mode="median")
-    copy_tbps = 2 * src.numel() / copy_ms / 1e9
-    del src, dst
+    copy_tbps = measure_copy_tbps(1 << 30, device=dev)
 
     f_cos, f_sin = yarn.factors(2 * T, dev)
     arms = {"sliced": (sliced_prep, (cos, sin)), "elementwise": (elementwise_prep, (yarn,)),

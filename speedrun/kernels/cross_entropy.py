@@ -311,6 +311,27 @@ def _softcap_u(z, k1, k2):
 
 
 @triton.jit
+def _grad_cast(g, dlogits_ptr, GRAD_FP8: tl.constexpr, SOFT_ROUND: tl.constexpr, SOFT_ROUND_BF16: tl.constexpr):
+    """fp32 ``g`` in dlogits' storage type: e5m2 saturating at +-57344 with RTNE, or the pointer's
+    dtype.  SOFT_ROUND / SOFT_ROUND_BF16 (the interpreter, whose own casts truncate) round exactly
+    in fp32 first."""
+    if GRAD_FP8:
+        g = tl.minimum(tl.maximum(g, -57344.0), 57344.0)
+        if SOFT_ROUND:
+            # adding and subtracting 1.5 * 2**(q + 23) rounds to a multiple of 2**q, q being the
+            # e5m2 spacing at |g| (two mantissa bits, fixed below the normal range)
+            q_exp = tl.maximum(((g.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -14) - 2
+            magic = (((q_exp + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+            r = (tl.abs(g) + magic) - magic
+            g = tl.where(g < 0, -r, r)
+        return g.to(tl.float8e5, fp_downcast_rounding="rtne")
+    if SOFT_ROUND_BF16:
+        bits = g.to(tl.int32, bitcast=True)
+        g = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return g.to(dlogits_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _ce_fwd_bwd_kernel(
     logits_ptr,
     stride_logits,
@@ -438,23 +459,7 @@ def _ce_fwd_bwd_kernel(
             else:
                 g = tl.exp2(z * LOG2E - lse_log2e[:, None]) * coef[:, None]
             g = tl.where(real[None, :], g, 0.0)
-            if GRAD_FP8:
-                g = tl.minimum(tl.maximum(g, -57344.0), 57344.0)
-                if SOFT_ROUND:
-                    # Round exactly (RTNE) in fp32 first: adding and subtracting 1.5 * 2**(q + 23)
-                    # rounds to a multiple of 2**q, q being the e5m2 spacing at |g| (two mantissa
-                    # bits, fixed below the normal range).
-                    q_exp = tl.maximum(((g.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -14) - 2
-                    magic = (((q_exp + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
-                    r = (tl.abs(g) + magic) - magic
-                    g = tl.where(g < 0, -r, r)
-                out = g.to(tl.float8e5, fp_downcast_rounding="rtne")
-            else:
-                if SOFT_ROUND_BF16:
-                    # RTNE to bf16 on the fp32 bits (the interpreter's own cast truncates).
-                    bits = g.to(tl.int32, bitcast=True)
-                    g = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-                out = g.to(dlogits_ptr.dtype.element_ty)
+            out = _grad_cast(g, dlogits_ptr, GRAD_FP8, SOFT_ROUND, SOFT_ROUND_BF16)
             tl.store(grad_rows + cols[None, :], out, mask=row_ok[:, None] & (cols < n_cols)[None, :])
             start += BLOCK_V
 
@@ -481,19 +486,7 @@ def _ce_fwd_bwd_kernel(
                 g = (weight_sum * p - hit) * (u - u * u) * (a_over_c * grad_mult)
             else:
                 g = (weight_sum * tl.exp2(z * LOG2E - lse_log2e) - hit) * grad_mult
-            if GRAD_FP8:
-                g = tl.minimum(tl.maximum(g, -57344.0), 57344.0)
-                if SOFT_ROUND:
-                    q_exp = tl.maximum(((g.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -14) - 2
-                    magic = (((q_exp + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
-                    r = (tl.abs(g) + magic) - magic
-                    g = tl.where(g < 0, -r, r)
-                out = g.to(tl.float8e5, fp_downcast_rounding="rtne")
-            else:
-                if SOFT_ROUND_BF16:
-                    bits = g.to(tl.int32, bitcast=True)
-                    g = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-                out = g.to(dlogits_ptr.dtype.element_ty)
+            out = _grad_cast(g, dlogits_ptr, GRAD_FP8, SOFT_ROUND, SOFT_ROUND_BF16)
             tl.store(dlogits_ptr + rows * stride_dlogits + col, out, mask=ok)
         row_block += tl.num_programs(0)
 

@@ -83,9 +83,9 @@ def rotate_with_factors(x: torch.Tensor, f_cos: torch.Tensor, f_sin: torch.Tenso
     x: (..., D) any float dtype, D even; f_cos, f_sin: :func:`rotary_factors` tables (or views of
     them) broadcastable to x.  Gives :func:`apply_rotary`'s values (the same fp32 products and
     sums; stationary dims are ``x * 1 + y * 0 = x`` exactly) without its slices, ``stack`` and
-    ``cat``, whose backward under ``torch.compile`` assembles gradients through ``slice_backward``
-    scatters (~80 ms of Inductor kernels per stage-3 record step on the H200, against ~11 ms in
-    upstream's elementwise form; ``benchmarks/bench_rotary.py`` times the two)."""
+    ``cat``.  (The slow backward kernels once blamed on those slices were the summed
+    ``slice_backward``s of the q/k/v slicing around it, seventh device session; the record now
+    splits qkv.  ``benchmarks/bench_rotary.py`` times the formulations.)"""
     xf = x.float()
     return (xf * f_cos + swap_pairs(xf) * f_sin).to(x.dtype)
 
