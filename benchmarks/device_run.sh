@@ -46,7 +46,8 @@ for part in $parts; do
       timeout 300 python3 benchmarks/bench_attention.py --reps 3 2>&1 | tail -20 ;;
     kernels)
       for b in ${BENCHES:-bench_host bench_rotary bench_polar_express bench_cross_entropy bench_mlp bench_qk_prep}; do
-        log "$b"; timeout "$(left 200)" python3 benchmarks/$b.py 2>&1 | tail -40
+        # BENCH_ARGS: extra arguments for every benchmark of this part (e.g. --sweep)
+        log "$b ${BENCH_ARGS:-}"; timeout "$(left 200)" python3 benchmarks/$b.py ${BENCH_ARGS:-} 2>&1 | tail -40
       done ;;
     train)
       log "short GPU training on webmix (small preset, 150 steps)"
@@ -89,23 +90,47 @@ for part in $parts; do
         --set train.max_docs=256 --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --out /tmp/prof_ncu --top 25 2>&1 | tail -40
       cp /tmp/prof_ncu/profile.md "$OUT/profile_ncu.md" 2>/dev/null; cp /tmp/prof_ncu/profile.json "$OUT/profile_ncu.json" 2>/dev/null ;;
     abloss)
-      # AB_SEEDS: a count (0..N-1) or a list "2,3"; AB_ARMS: space-separated NAME=PRESET[:overrides].
-      # Default: time-matched, i.e. the candidate gets the extra steps its faster step pays for
-      # (135 / 0.95 ~ 142: 7 more extension steps; the record's +30 of 1285 is the same idea at full
-      # length).  "cand=candidate" alone measures the per-step loss cost at equal steps.  E.g. add
-      # "bf16=candidate:model.qkv_path=fused,model.kernels=fp8,..." to separate the FP8 effects from
-      # the 96-wide Q/K.  Eager runs are launch-bound (0.7-0.9 s/step at any batch): 150-200 s per run.
-      AB_ARMS=${AB_ARMS:-base=record cand=candidate:train.steps=142,train.num_extension=37}
-      log "loss A/B: $AB_ARMS, seeds ${AB_SEEDS:-3}, eager, batch/4, 105 scheduled steps"
-      arms=""; for a in $AB_ARMS; do arms="$arms --arm $a"; done
-      timeout "$(left 580)" python3 -m speedrun compare $arms \
-        --seeds "${AB_SEEDS:-3}" --out /tmp/ab --quiet --no-measure --set train.compile=false \
-        --set train.batch_divisor=4 --set train.steps=135 --set train.num_extension=30 \
-        --set train.max_docs=256 --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" \
-        --val-data "$SPEEDRUN_TEST_DATA/webmix_val_*.bin" 2>&1 | tail -30
-      mkdir -p "$OUT/ab"; cp /tmp/ab/README.md /tmp/ab/results.json /tmp/ab/manifest.json /tmp/ab/*.png "$OUT/ab/" 2>/dev/null
-      for d in /tmp/ab/runs/*/; do cp "$d/log.txt" "$OUT/ab/$(basename "$d").log.txt" 2>/dev/null; done
-      cat /tmp/ab/README.md 2>/dev/null | head -40 ;;
+      # AB_SEEDS: a list "0,1,2" (distinct seeds); AB_ARMS: space-separated NAME=PRESET[:overrides].
+      # Default: the preset's step relation, shortened: the record trains 1285 steps and the
+      # candidate 1315 (+2.3%), so here 135 and 138.  "cand=candidate" alone measures the per-step
+      # loss cost at equal steps.  Eager runs are launch-bound (0.7-0.9 s/step at any batch, the GPU
+      # mostly idle), so every (arm, seed) run is its own process and AB_JOBS (default 3) of them
+      # share the GPU at once; their times are not speed measurements, only the losses count.  An
+      # eager process at batch/4 holds 20-26 GiB: six at once ran the H200 out of memory.
+      AB_ARMS=${AB_ARMS:-base=record cand=candidate:train.steps=138,train.num_extension=33}
+      AB_SEEDS=${AB_SEEDS:-0,1,2}
+      log "loss A/B: $AB_ARMS, seeds $AB_SEEDS, eager, batch/4, 105 scheduled steps, ${AB_JOBS:-3} at once"
+      # AB_SET: the overrides every arm gets (shortened eager schedule, batches / 4)
+      ab_sets=""; for kv in ${AB_SET:-train.compile=false train.batch_divisor=4 train.steps=135 \
+        train.num_extension=30 train.max_docs=256}; do ab_sets="$ab_sets --set $kv"; done
+      rm -rf /tmp/ab; mkdir -p /tmp/ab "$OUT/ab"
+      ab_end=$(( $(date +%s) + $(left 580) ))
+      for s in ${AB_SEEDS//,/ }; do
+        for a in $AB_ARMS; do
+          while [ "$(jobs -rp | wc -l)" -ge "${AB_JOBS:-3}" ]; do sleep 5; done
+          OMP_NUM_THREADS=2 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout $(( ab_end - $(date +%s) )) python3 -m speedrun compare --arm "$a" \
+            --seeds 1 --base-seed "$s" --out "/tmp/ab/${a%%=*}-s$s" --quiet --no-measure $ab_sets --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" \
+            --val-data "$SPEEDRUN_TEST_DATA/webmix_val_*.bin" > "/tmp/ab/${a%%=*}-s$s.out" 2>&1 &
+        done
+      done
+      ticks=0
+      while [ -n "$(jobs -rp)" ]; do
+        sleep 5; ticks=$(( ticks + 1 ))
+        [ "$ticks" -eq 18 ] && nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+        [ $(( ticks % 12 )) -ne 0 ] && continue
+        for f in /tmp/ab/*/runs/*/log.txt; do
+          echo "   $(basename "$(dirname "$f")"): $(grep -o '^step:[0-9]*/[0-9]*' "$f" | tail -1)"
+        done
+      done
+      for f in /tmp/ab/*.out; do echo "-- $(basename "$f")"; tail -3 "$f"; done
+      n_ok=$(ls /tmp/ab/*/runs/*/summary.json 2>/dev/null | wc -l); n_all=$(ls /tmp/ab/*.out | wc -l)
+      log "loss A/B: $n_ok of $n_all runs finished$([ "$n_ok" -lt "$n_all" ] && echo ' (FAILED RUNS ABOVE)')"
+      for d in /tmp/ab/*/runs/*/; do cp "$d/log.txt" "$OUT/ab/$(basename "$(dirname "$(dirname "$d")")").log.txt" 2>/dev/null; done
+      groups=""; labels=""
+      for a in $AB_ARMS; do groups="$groups /tmp/ab/${a%%=*}-s*/runs/*/log.txt"; labels="$labels,${a%%=*}"; done
+      # unquoted on purpose: stats gets one glob per arm, expanded by itself (set -f keeps bash out)
+      set -f; python3 -m speedrun stats $groups --labels "${labels#,}" --json "$OUT/ab/stats.json" 2>&1 \
+        | tee "$OUT/ab/stats.md" | head -60; set +f ;;
     recordrun) short_run record 570 ;;
     candrun) short_run candidate 570 ;;
     fullrun)

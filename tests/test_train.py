@@ -7,6 +7,7 @@ import torch
 
 from speedrun.config import Stage, apply_overrides, preset
 from speedrun.data import write_shard
+from speedrun.errors import ConfigError
 from speedrun.train.checkpoint import list_checkpoints
 from speedrun.train.loop import train
 
@@ -93,3 +94,21 @@ def test_shard_data_with_vocab_mismatch_is_a_clear_error(tmp_path):
                           f"data.val_files={tmp_path}/x_val_*.bin", "data.tokenizer=bytes"])
     with pytest.raises(SpeedrunError, match="300|vocab"):
         train(cfg, console=False)
+
+
+def test_model_vocab_wider_than_tokenizer_is_refused_before_training(tmp_path):
+    """GPT-2 shards, the byte tokenizer and model.vocab_size widened to let the ids through: the
+    shard check passes, so the mismatch must be caught up front (it used to train with the wrong
+    BOS split and fail only when decoding the final sample)."""
+    import numpy as np
+
+    tokens = np.array([50256, 11, 300, 5000, 7] * 400, dtype=np.uint16)
+    write_shard(tmp_path / "g_train_000000.bin", tokens)
+    write_shard(tmp_path / "g_val_000000.bin", tokens)
+    cfg = small_cfg(tmp_path, steps=2)
+    apply_overrides(cfg, ["data.source=shards", f"data.train_files={tmp_path}/g_train_*.bin",
+                          f"data.val_files={tmp_path}/g_val_*.bin", "data.tokenizer=bytes",
+                          "model.vocab_size=50257"])
+    with pytest.raises(ConfigError, match="tokenizer bytes has 257 ids but model.vocab_size is 50257"):
+        train(cfg, console=False)
+    assert not list(tmp_path.rglob("log.txt")), "refused before a run folder was written"

@@ -75,9 +75,12 @@ def resolve_data(cfg: RunConfig):
             tokenizer = None  # sampling is skipped; training needs only token ids
     else:
         raise ConfigError(f"unknown data.source {d.source!r}; known: builtin, shards")
-    if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+    # Equal, not just large enough: a larger model vocabulary means the shards were made with
+    # another tokenizer (their ids would pass the shard check and the BOS split would be wrong).
+    if tokenizer is not None and tokenizer.vocab_size != cfg.model.vocab_size:
         raise ConfigError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but model.vocab_size is "
-                          f"{cfg.model.vocab_size}: set model.vocab_size={tokenizer.vocab_size}")
+                          f"{cfg.model.vocab_size}: set model.vocab_size={tokenizer.vocab_size}, or "
+                          f"data.tokenizer (and data.bos_id) to the tokenizer the shards were made with")
     if tokenizer is not None and tokenizer.bos_id != d.bos_id:
         raise ConfigError(f"data.bos_id={d.bos_id} but tokenizer {tokenizer.name} uses BOS {tokenizer.bos_id}")
     return train_files, val_files, tokenizer
@@ -298,6 +301,8 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
             raise ConfigError(f"train.dtype must be bf16, fp32 or auto, got {cfg.train.dtype!r}")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
+    train_files, val_files, tokenizer = resolve_data(cfg)  # bad data is refused before a run folder exists
+
     # Run folder: created by rank 0, shared with the others.
     if resume:
         if run_dir is None or not (Path(run_dir) / "config.json").exists():
@@ -316,7 +321,6 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         (run_dir / "config.json").write_text(cfg.to_json())
 
     torch.manual_seed(cfg.train.seed)
-    train_files, val_files, tokenizer = resolve_data(cfg)
     model = build_model(cfg.model).to(device)
     if dtype == torch.bfloat16 and hasattr(model, "cast_to_record_dtypes"):
         model.cast_to_record_dtypes(torch.bfloat16)  # bf16 weights, fp32 scalars (NorMuon tracks mantissas)
