@@ -45,9 +45,11 @@ for part in $parts; do
       log "attention backends, stage-3 shapes"
       timeout 300 python3 benchmarks/bench_attention.py --reps 3 2>&1 | tail -20 ;;
     kernels)
-      for b in ${BENCHES:-bench_host bench_rotary bench_polar_express bench_cross_entropy bench_mlp bench_qk_prep}; do
-        # BENCH_ARGS: extra arguments for every benchmark of this part (e.g. --sweep)
-        log "$b ${BENCH_ARGS:-}"; timeout "$(left 200)" python3 benchmarks/$b.py ${BENCH_ARGS:-} 2>&1 | tail -40
+      # BENCHES: names, each optionally with its arguments after a colon, comma-separated
+      # (e.g. "bench_adam bench_cross_entropy:--sweep,--skip-eager")
+      for entry in ${BENCHES:-bench_host bench_rotary bench_polar_express bench_cross_entropy bench_mlp bench_qk_prep bench_adam}; do
+        b=${entry%%:*}; bargs=""; [ "$entry" != "$b" ] && bargs=${entry#*:} && bargs=${bargs//,/ }
+        log "$b $bargs"; timeout "$(left 200)" python3 benchmarks/$b.py $bargs 2>&1 | tail -40
       done ;;
     train)
       log "short GPU training on webmix (small preset, 150 steps)"

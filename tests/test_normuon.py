@@ -279,3 +279,28 @@ def test_two_gloo_ranks_match_one_rank(tmp_path):
         tol = 2e-2 if p.dtype == torch.bfloat16 else 1e-5
         assert rel(got["params"][k], p.data) < tol, k
     assert rel(got["embed_m"], opt.entries["embed"].state["exp_avg"]) < 1e-5
+
+
+def test_adam_tables_take_the_fused_kernel_when_triton_is_on(monkeypatch):
+    """use_triton=True routes every Adam parameter through the one-pass kernel (interpreted here)
+    and gives the reference path's values to a few fp32 ulps."""
+    import speedrun.kernels.fused_adam as fused_adam
+    from speedrun.kernels.fp8_cache import interpreting
+
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    calls = []
+    real = fused_adam.adam_update_fused_
+    monkeypatch.setattr(fused_adam, "adam_update_fused_", lambda p, *a, **k: calls.append(p.shape) or real(p, *a, **k))
+    grads = [make_grads(0, s) for s in range(4)]
+    finals = {}
+    for use_triton in (False, True):
+        params = make_params()
+        opt = NorMuonAndAdam(params, TABLE, work_order=WORK, hyper=HYPER, tied=("lm_head", "embed"),
+                             use_triton=use_triton)
+        run_steps(opt, params, grads, mark_sparse=False)
+        finals[use_triton] = {k: p.detach().clone() for k, p in params.items()}
+    adam_labels = [s.label for s in TABLE if s.optim == "adam" and s.label != "embed"]  # embed is tied
+    assert len(calls) == 2 * len(adam_labels), calls  # two Adam steps (odd steps 1 and 3)
+    for k in adam_labels:
+        torch.testing.assert_close(finals[True][k], finals[False][k], rtol=2e-6, atol=1e-7, msg=k)

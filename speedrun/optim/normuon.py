@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from speedrun.optim.adam import adam_update_, new_adam_state
+from speedrun.kernels.fused_adam import adam_update_auto_
+from speedrun.optim.adam import new_adam_state
 
 __all__ = [
     "ParamGroupSpec",
@@ -322,7 +323,8 @@ class NorMuonAndAdam:
         (V, D); embed's gradient is folded into lm_head's and embed gets lm_head^T until
         :meth:`untie`.
     group: process group (default: the world when torch.distributed is initialised).
-    use_triton: forwarded to Polar Express (None: Triton on CUDA).
+    use_triton: Triton kernels for Polar Express and the Adam update (None: on CUDA; True on CPU
+        needs TRITON_INTERPRET=1).
 
     Usage per training step: backward, then ``opt.step(step_index)``.  ``step`` clears the grads it
     consumed (set to None); Adam grads are kept on even steps so the next backward adds to them.
@@ -510,9 +512,10 @@ class NorMuonAndAdam:
             gather: tuple[_Pending | None, Callable[[], None] | None] = (None, None)
             if e.spec.optim == "adam":
                 shard = self._adam_shard(e)
-                adam_update_(shard, grad, e.state, lr=self.hyper.adam_lr * lr_mult * e.spec.lr_mul,
-                             betas=e.spec.betas, eps=self.hyper.adam_eps,
-                             weight_decay=self.hyper.adam_weight_decay * e.spec.wd_mul)
+                adam_update_auto_(shard, grad, e.state, lr=self.hyper.adam_lr * lr_mult * e.spec.lr_mul,
+                                  betas=e.spec.betas, eps=self.hyper.adam_eps,
+                                  weight_decay=self.hyper.adam_weight_decay * e.spec.wd_mul,
+                                  use_triton=self.use_triton)
                 if e.comms in ("sharded", "sharded_sparse"):
                     gather = (self.comms.all_gather(e.param.data, shard), None)
             else:

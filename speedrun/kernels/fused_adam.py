@@ -1,0 +1,133 @@
+"""The record's Adam update as one Triton pass: read p, grad, exp_avg, exp_avg_sq once, write p
+and both moments once.
+
+:func:`speedrun.optim.adam.adam_update_` (the reference, same signature) runs the update as ~13
+eager element-wise kernels that move ~130 bytes per bf16 parameter; this kernel moves 22 (2 + 2 +
+4 + 4 read, 2 + 4 + 4 written).  The record's Adam tables hold ~560 M elements (lm_head and embed
+38.6 M each, value embeddings 193 M, bigram table 290 M), updated on odd steps: ~73 GB of traffic
+per update in the reference against ~12 GB here.
+
+The arithmetic follows the reference operation by operation in fp32 (``lerp`` with torch's
+two-sided formula, ``addcmul`` in CUDA's order ``a + value * (b * c)``, correctly rounded ``sqrt``
+and division), so on CUDA it should equal the reference's bits; torch's CPU ``addcmul`` rounds
+``(value * b) * c`` instead, so the CPU tests bound the moments at a few fp32 ulps and p at one ulp
+of its dtype.
+
+Dispatch: :func:`adam_update_auto_` (what NorMuonAndAdam calls) takes this kernel for contiguous
+CUDA tensors and the reference otherwise; ``use_triton=True`` forces the kernel (on CPU tensors
+under ``TRITON_INTERPRET=1``, as the tests do).  Importing needs no GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from speedrun.kernels.fp8_cache import cdiv, interpreting
+from speedrun.kernels.launch_notes import launch_note
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAVE_TRITON = True
+except ImportError:  # pragma: no cover - CPU installs without triton use the reference
+    triton = None
+    tl = None
+    _HAVE_TRITON = False
+
+__all__ = ["adam_update_fused_", "adam_update_auto_", "fused_adam_supported"]
+
+_BLOCK = 1024  # elements per program: 8 fp32 loads of 4 per thread at 4 warps, enough in flight
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _adam_update_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, one_minus_beta1, beta2, one_minus_beta2,
+                            eps, step_size, decay, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        p_raw = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        p = p_raw.to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        # torch.lerp(m, g, w): m + w * (g - m) for |w| < 0.5, else g - (g - m) * (1 - w), w in fp32
+        diff = g - m
+        m = tl.where(one_minus_beta1 < 0.5, m + one_minus_beta1 * diff, g - diff * (1.0 - one_minus_beta1))
+        # v.mul_(beta2).addcmul_(g, g, value=1 - beta2), CUDA's order: v + value * (g * g)
+        v = v * beta2
+        v = v + one_minus_beta2 * (g * g)
+        update = tl.sqrt_rn(v) + eps
+        update = tl.div_rn(m, update) * step_size
+        # cautious decay: only where the update and the weight agree in sign
+        keep = (update * p) > 0
+        update = update + tl.where(keep, decay * p, 0.0)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        tl.store(p_ptr + offs, (p - update).to(p_raw.dtype), mask=mask)
+
+
+def fused_adam_supported(p: Tensor, grad: Tensor) -> bool:
+    """Whether :func:`adam_update_fused_` can take these tensors here: Triton present, contiguous
+    tensors of a supported dtype, on CUDA (or on the CPU under ``TRITON_INTERPRET=1``)."""
+    if not _HAVE_TRITON or p.dtype not in _DTYPES or grad.dtype not in _DTYPES:
+        return False
+    if not (p.is_contiguous() and grad.is_contiguous()):
+        return False
+    return p.is_cuda != interpreting()
+
+
+@torch.no_grad()
+def adam_update_fused_(
+    p: Tensor,
+    grad: Tensor,
+    state: dict,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> Tensor:
+    """One Adam step on ``p`` in place in one kernel; returns ``p``.  Arguments as
+    :func:`speedrun.optim.adam.adam_update_` (the reference): p contiguous fp32/bf16/fp16, grad
+    contiguous of p's shape (any of those dtypes), state's ``exp_avg`` / ``exp_avg_sq``
+    contiguous fp32 of p's shape; lr, eps and weight_decay plain floats."""
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    if p.shape != grad.shape or p.shape != m.shape or p.shape != v.shape:
+        raise ValueError(f"adam_update_fused_: p {tuple(p.shape)}, grad {tuple(grad.shape)} and state "
+                         f"{tuple(m.shape)} / {tuple(v.shape)} must have the same shape")
+    if m.dtype != torch.float32 or v.dtype != torch.float32:
+        raise ValueError(f"adam_update_fused_: the moments must be fp32, got {m.dtype} / {v.dtype}")
+    if not (fused_adam_supported(p, grad) and m.is_contiguous() and v.is_contiguous()):
+        raise ValueError("adam_update_fused_: needs Triton, contiguous fp32/bf16/fp16 tensors and a CUDA "
+                         "device (or CPU tensors under TRITON_INTERPRET=1); use adam_update_ otherwise")
+    if len({p.device, grad.device, m.device, v.device}) != 1:
+        raise ValueError("adam_update_fused_: p, grad and the moments must be on one device")
+    beta1, beta2 = betas
+    state["step"] += 1
+    t = state["step"]
+    step_size = lr * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
+    n = p.numel()
+    if n:
+        with launch_note("_adam_update_kernel", reads=(p, grad, m, v), writes=(p, m, v)):
+            _adam_update_kernel[(cdiv(n, _BLOCK),)](
+                p, grad, m, v, n, 1.0 - beta1, beta2, 1.0 - beta2, eps, step_size,
+                lr * lr * weight_decay, BLOCK=_BLOCK, num_warps=4)
+    return p
+
+
+def adam_update_auto_(p: Tensor, grad: Tensor, state: dict, *, lr: float, betas: tuple[float, float],
+                      eps: float, weight_decay: float, use_triton: bool | None = None) -> Tensor:
+    """The Adam step through :func:`adam_update_fused_` or the reference.  ``use_triton`` None: the
+    kernel for CUDA tensors it supports (:func:`fused_adam_supported`), the reference otherwise
+    (as Polar Express decides); False: the reference; True: the kernel or a clear error (on CPU
+    tensors only under ``TRITON_INTERPRET=1``)."""
+    from speedrun.optim.adam import adam_update_
+
+    fused = (p.is_cuda and fused_adam_supported(p, grad)) if use_triton is None else use_triton
+    fn = adam_update_fused_ if fused else adam_update_
+    return fn(p, grad, state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
