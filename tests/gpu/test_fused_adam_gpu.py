@@ -1,7 +1,9 @@
 """The one-pass Adam kernel against the eager reference on CUDA, at the record's table shapes
-(skipped without a GPU).  On CUDA the kernel follows the reference's operations and rounding
-(torch's CUDA addcmul order, correctly rounded sqrt and division), so the results must be equal
-to the bit.
+(skipped without a GPU).  The kernel follows the reference's operations; the compiler may fuse a
+multiply and an add of the second-moment update into one FMA (one rounding fewer than the two
+eager kernels): on the H200 (eighth session) exp_avg came out bit-equal and exp_avg_sq within one
+fp32 ulp.  The bounds: the moments within 2 fp32 ulps, p within one bf16 ulp, and differing
+elements rare.
 
 Run on the H200: ``pytest -m gpu tests/gpu/test_fused_adam_gpu.py -q``.
 """
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.gpu
     ((377280 // 4, 768), (0.75, 0.95), 75.0, 5.0),  # a quarter of the bigram table
     ((12, 768 + 3), (0.9, 0.99), 5.0, 0.0),  # scalars-like, ragged
 ])
-def test_fused_adam_equals_reference_bitwise_on_cuda(shape, betas, lr_mul, wd_mul):
+def test_fused_adam_matches_reference_on_cuda(shape, betas, lr_mul, wd_mul):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gen = torch.Generator(device="cuda").manual_seed(sum(shape))
@@ -38,5 +40,12 @@ def test_fused_adam_equals_reference_bitwise_on_cuda(shape, betas, lr_mul, wd_mu
         adam_update_fused_(p_fused, g, s_fused, **kw)
     torch.cuda.synchronize()
     for key in ("exp_avg", "exp_avg_sq"):
-        assert torch.equal(s_fused[key], s_ref[key]), (key, (s_fused[key] - s_ref[key]).abs().max())
-    assert torch.equal(p_fused, p_ref), (p_fused.float() - p_ref.float()).abs().max()
+        ref, got = s_ref[key], s_fused[key]
+        ulp = (torch.nextafter(ref.abs(), torch.full_like(ref, float("inf"))) - ref.abs())
+        err = (got - ref).abs()
+        assert (err <= 2 * ulp).all(), (key, err.max())
+        assert (err > 0).float().mean() < 0.01, (key, "more than 1% of the elements differ")
+    ulp_p = (torch.nextafter(p_ref.abs(), torch.full_like(p_ref, float("inf"))) - p_ref.abs()).float()
+    err_p = (p_fused.float() - p_ref.float()).abs()
+    assert (err_p <= ulp_p).all(), err_p.max()
+    assert (err_p > 0).float().mean() < 0.01, "more than 1% of the weights differ"
