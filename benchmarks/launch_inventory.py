@@ -4,7 +4,8 @@ Under ``torch.compile`` everything outside our opaque ops becomes Inductor-gener
 opaque op's body runs eagerly from Python: each Triton launch and each eager torch op inside it is
 host work that Inductor never sees.  This script runs one forward + backward of each arm's
 network (the presets' layer structure at a small token count; the counts do not depend on it),
-wraps every registered opaque kernel, and counts inside each call:
+wraps every registered opaque kernel after one warmup step (FP8 weight cache refreshed, delayed
+scales ready, as from the second training step on), and counts inside each call:
 
 * Triton launches, by kernel name (``JITFunction.run``; the interpreter's ``InterpretedFunction.run``
   on the CPU),
@@ -177,7 +178,11 @@ def inventory(arm: str, tokens: int, device: torch.device, overrides=()) -> dict
     per_kernel: dict = {}
     if hasattr(model, "refresh_fp8_weights"):
         model.refresh_fp8_weights()  # as training does once per optimizer update
-    model.loss(batch, args)  # first call registers the kernels
+    # One step first, as in training from step 1 on: it registers the kernels and ends an FP8 step,
+    # so the delayed scales are ready (before that each call calibrates with an extra GEMM).
+    model.loss(batch, args).backward()
+    if hasattr(model, "end_fp8_step"):
+        model.end_fp8_step()
     model.zero_grad(set_to_none=True)
     with counting(per_kernel), torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         loss = model.loss(batch, args)
