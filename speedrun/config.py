@@ -163,6 +163,10 @@ class TrainConfig:
     batch_divisor: int = 1  # record schedule: divide every stage's batch (shrunken runs)
     seq_divisor: int = 1  # record schedule: divide every stage's sequence cap
     optimizer: str = "adam"  # "adam" (trapezoid schedule) or "normuon" (record schedule)
+    # NorMuon + Adam's Triton kernels (Polar Express, the one-pass Adam update): "auto" = on CUDA,
+    # "reference" = the eager PyTorch paths everywhere (an A/B arm), "triton" = always (on the CPU
+    # only under TRITON_INTERPRET=1)
+    optimizer_kernels: str = "auto"
     muon_lr: float = 0.023
     lr: float = 3e-3
     embed_lr: float = 3e-3

@@ -70,6 +70,22 @@ def test_record_schedule_needs_the_record_network(tmp_path):
         train(cfg, console=False)
 
 
+def test_optimizer_kernels_switch_reaches_the_optimizer(tmp_path):
+    """train.optimizer_kernels picks NorMuonAndAdam's kernels (an A/B arm for the one-pass Adam
+    and the Polar Express kernels); a bad value is a clear error."""
+    from speedrun.errors import ConfigError
+    from speedrun.model import build_model
+    from speedrun.train.recipes import build_recipe
+
+    for value, expected in (("auto", None), ("reference", False), ("triton", True)):
+        cfg = tiny_record(tmp_path, f"train.optimizer_kernels={value}")
+        recipe = build_recipe(cfg, build_model(cfg.model), None)
+        assert recipe.optimizer.use_triton is expected, value
+    cfg = tiny_record(tmp_path, "train.optimizer_kernels=fast")
+    with pytest.raises(ConfigError, match="optimizer_kernels must be one of auto, triton, reference"):
+        build_recipe(cfg, build_model(cfg.model), None)
+
+
 @pytest.mark.parametrize("kernels", ["triton", "fp8_full"])
 def test_fused_kernels_train_like_the_reference(tmp_path, kernels):
     """The record network with the Triton head and MLP (interpreted on CPU) follows the plain path."""

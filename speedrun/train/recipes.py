@@ -142,8 +142,12 @@ class RecordRecipe:
         self.cfg = cfg
         model.sync_embed_from_lm_head()
         hyper = OptimizerHyper(adam_lr=t.lr, muon_lr=t.muon_lr)
+        kernels = {"auto": None, "triton": True, "reference": False}
+        if t.optimizer_kernels not in kernels:
+            raise ConfigError(f"train.optimizer_kernels must be one of {', '.join(kernels)}, got {t.optimizer_kernels!r}")
         self.optimizer = NorMuonAndAdam(model.parameter_groups(), record_param_table(), hyper=hyper,
-                                        schedule=self.schedule, tied=("lm_head", "embed"))
+                                        schedule=self.schedule, tied=("lm_head", "embed"),
+                                        use_triton=kernels[t.optimizer_kernels])
         self._long_window = None
         self.max_tokens = 0  # set by the loop: the largest micro-batch, for rebuilding RoPE tables
         self.fp8_refreshes = 0
