@@ -332,6 +332,20 @@ def _grad_cast(g, dlogits_ptr, GRAD_FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
 
 
 @triton.jit
+def _target_term(logits_ptr, rows, stride_logits, row_ok, t, w, lse, vocab_size, cap_a, k1, k2,
+                 SOFTCAP: tl.constexpr):
+    """One loss term per row for target ids ``t`` (-1: none) of weight ``w``: its contribution to
+    the loss (``w * (lse - z_t)``), to the weight sum, and whether ``t`` is out of range (< -1 or
+    >= vocab_size: the row's loss becomes NaN)."""
+    ok = (t >= 0) & (t < vocab_size)
+    bad = (t < -1) | (t >= vocab_size)
+    zt = tl.load(logits_ptr + rows * stride_logits + t, mask=row_ok & ok, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        zt = cap_a * _softcap_u(zt, k1, k2)
+    return tl.where(ok, w * (lse - zt), 0.0), tl.where(ok, w, 0.0), bad
+
+
+@triton.jit
 def _ce_fwd_bwd_kernel(
     logits_ptr,
     stride_logits,
@@ -422,24 +436,19 @@ def _ce_fwd_bwd_kernel(
         bad = rows < 0
         for k in tl.static_range(N_PREDICT):
             t = tl.load(targets_ptr + rows + k, mask=row_ok & (rows + k < n_targets), other=-1).to(tl.int64)
-            w = tl.load(mtp_w_ptr + k)
-            ok = (t >= 0) & (t < vocab_size)
-            bad = bad | (t < -1) | (t >= vocab_size)
-            zt = tl.load(logits_ptr + rows * stride_logits + t, mask=row_ok & ok, other=0.0).to(tl.float32)
-            if SOFTCAP:
-                zt = cap_a * _softcap_u(zt, k1, k2)
-            loss += tl.where(ok, w * (lse - zt), 0.0)
-            weight_sum += tl.where(ok, w, 0.0)
+            term, w_term, bad_t = _target_term(logits_ptr, rows, stride_logits, row_ok, t, tl.load(mtp_w_ptr + k),
+                                               lse, vocab_size, cap_a, k1, k2, SOFTCAP)
+            loss += term
+            weight_sum += w_term
+            bad = bad | bad_t
         if HAS_PREFIX:
             pt = tl.load(prefix_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
             pw = tl.load(prefix_w_ptr)
-            ok = (pt >= 0) & (pt < vocab_size)
-            bad = bad | (pt < -1) | (pt >= vocab_size)
-            zt = tl.load(logits_ptr + rows * stride_logits + pt, mask=row_ok & ok, other=0.0).to(tl.float32)
-            if SOFTCAP:
-                zt = cap_a * _softcap_u(zt, k1, k2)
-            loss += tl.where(ok, pw * (lse - zt), 0.0)
-            weight_sum += tl.where(ok, pw, 0.0)
+            term, w_term, bad_t = _target_term(logits_ptr, rows, stride_logits, row_ok, pt, pw,
+                                               lse, vocab_size, cap_a, k1, k2, SOFTCAP)
+            loss += term
+            weight_sum += w_term
+            bad = bad | bad_t
         tl.store(losses_ptr + rows, tl.where(bad, float("nan"), loss), mask=row_ok)
 
         # Dense part of d loss / d s_j = weight_sum * p_j - (weights whose target is j).
