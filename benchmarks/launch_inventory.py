@@ -35,16 +35,10 @@ import os
 import sys
 from pathlib import Path
 
-if __name__ == "__main__" and "TRITON_INTERPRET" not in os.environ:
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is not None:
-        import torch as _torch
-
-        if not _torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-
 import torch
+
+if __name__ == "__main__" and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 # host microseconds per call (bench_host.py, H200, sixth session; opaque: CPU after the change)
