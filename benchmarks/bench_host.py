@@ -8,7 +8,11 @@ is pure host work: Python, argument checks, allocation, the launch itself):
 
 * baselines: ``torch.empty``, ``torch.zeros`` (allocation + memset), one small eager torch op;
 * Triton launch cost: a trivial kernel with one pointer argument, and the same with the ~30
-  constexpr keyword arguments our GEMM and quantise kernels pass (the binder's share);
+  constexpr keyword arguments our GEMM and quantise kernels pass (the binder's share); the same
+  two kernels launched through the ``CompiledKernel`` handle the first launch returned (its
+  ``[grid]`` runner, and its raw ``run`` with the stream looked up once), which skips the binder,
+  the cache key and the device/stream queries, and ``speedrun.kernels.launch.launch`` (the cache
+  our launchers use: its key, then the handle, with any launch hooks registered in this process);
 * our calls: ``abs_max``, the quantise kernel alone, ``quantize_current``, the FP8 ReLU² up GEMM
   (TMA descriptors + launch), ``scaled_mm``, and the opaque custom-op round trip
   (``torch.ops.speedrun.opaque_fwd`` around a kernel that only copies).
@@ -114,8 +118,28 @@ def main(argv=None) -> int:
         ("scaled_mm FP8 down (cuBLAS)", lambda: scaled_mm(post_q, w2q.t(), post_scale, w2s, use_fast_accum=True)),
         ("opaque_fwd round trip (copy kernel, no grad)", lambda: opaque.call(copy_kernel, [small])),
     ]
+    stream = torch.cuda.current_stream().cuda_stream
+    noop_ck = _noop_kernel[(1,)](small)
+    many_args = (small, small, small, 16, *many.values())
+    many_ck = _noop_many_constexpr_kernel[(1,)](small, small, small, 16, **many)
+
+    def raw_run(ck, args):
+        return lambda: ck.run(1, 1, 1, stream, ck.function, ck.packed_metadata, None, None, None, *args)
+
+    from speedrun.kernels.launch import launch
+
+    launch(_noop_many_constexpr_kernel, (1,), small, small, small, 16, **many)  # cache the handle
+    cases[5:5] = [
+        ("launch cache (speedrun.kernels.launch), 4 args + 30 constexpr",
+         lambda: launch(_noop_many_constexpr_kernel, (1,), small, small, small, 16, **many)),
+        ("compiled handle [grid] runner, 1 pointer", lambda: noop_ck[(1, 1, 1)](small)),
+        ("compiled handle [grid] runner, 4 args + 30 constexpr", lambda: many_ck[(1, 1, 1)](*many_args)),
+        ("compiled handle raw run, 1 pointer", raw_run(noop_ck, (small,))),
+        ("compiled handle raw run, 4 args + 30 constexpr", raw_run(many_ck, many_args)),
+    ]
     rows = []
-    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"launch hooks registered: {len(getattr(triton.knobs.runtime.launch_enter_hook, 'calls', ()))}")
     print(f"{'host us/call (GPU busy)':52} {'median':>8}  rounds")
     for name, fn in cases:
         med, rounds = host_us(fn)

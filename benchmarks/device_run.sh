@@ -37,7 +37,9 @@ for part in $parts; do
     tests)
       log "GPU tests"
       # TESTS_PATHS: which test files or folders (default: all of tests/); TESTS_ARGS: extra pytest arguments
-      timeout "$(left ${TESTS_S:-400})" python3 -m pytest -q -m gpu ${TESTS_PATHS:-tests} ${TESTS_ARGS:-} 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
+      # (the whole output goes to gpu_tests.txt; the call's screen gets its last 25 lines)
+      timeout "$(left ${TESTS_S:-400})" python3 -m pytest -q -m gpu ${TESTS_PATHS:-tests} ${TESTS_ARGS:-} > "$OUT/gpu_tests.txt" 2>&1
+      tail -25 "$OUT/gpu_tests.txt" ;;
     doctor)
       log doctor
       timeout 120 python3 -m speedrun doctor 2>&1 | tail -30 | tee "$OUT/doctor.txt" ;;
@@ -61,21 +63,23 @@ for part in $parts; do
     record)
       # BENCH_ARMS: space-separated NAME=PRESET[:overrides], e.g. add
       # "candfwd=candidate:model.kernels=fp8_fwd" (the candidate with the record's MLP precision).
+      # BENCH_STEPS: timed steps per arm (default 20; host-bound stage-1 steps need more).
       BENCH_ARMS=${BENCH_ARMS:-base=record cand=candidate}
       log "bench step, interleaved: $BENCH_ARMS"
       arms=""; for a in $BENCH_ARMS; do arms="$arms --arm $a"; done
       for stage in ${STAGES:-0 1 2}; do
         timeout "$(left 550)" python3 -m speedrun bench step $arms --stage $stage \
-          --steps 20 --warmup 3 --set train.max_docs=256 \
+          --steps "${BENCH_STEPS:-20}" --warmup 3 --set train.max_docs=256 \
           --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --json "$OUT/bench_step_stage$stage.json" 2>&1 | tail -12
       done ;;
     profile)
+      # PROFILE_ARMS: which presets; PROFILE_STAGE: the stage index whose shapes are profiled (default 2)
       for arm in ${PROFILE_ARMS:-record candidate}; do
-        log "profile $arm at stage-3 shapes (stage index 2), 2 steps"
-        timeout "$(left 300)" python3 -m speedrun profile --arm "$arm" --stage 2 --steps 2 --warmup 2 --stacks \
+        log "profile $arm at stage index ${PROFILE_STAGE:-2} (2: stage-3 shapes), 2 steps"
+        timeout "$(left 300)" python3 -m speedrun profile --arm "$arm" --stage "${PROFILE_STAGE:-2}" --steps 2 --warmup 2 --stacks \
           --set train.max_docs=256 --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --out "/tmp/prof_$arm" --top 25 2>&1 | tail -45
-        cp "/tmp/prof_$arm/profile.md" "$OUT/profile_$arm.md" 2>/dev/null
-        cp "/tmp/prof_$arm/profile.json" "$OUT/profile_$arm.json" 2>/dev/null
+        cp "/tmp/prof_$arm/profile.md" "$OUT/profile_${arm}_stage${PROFILE_STAGE:-2}.md" 2>/dev/null
+        cp "/tmp/prof_$arm/profile.json" "$OUT/profile_${arm}_stage${PROFILE_STAGE:-2}.json" 2>/dev/null
         # the generated source of the slowest Inductor kernels, to read why they are slow (one
         # file: the device tool brings back only a few files per folder)
         python3 benchmarks/inductor_sources.py "/tmp/prof_$arm/profile.json" --top "${INDUCTOR_TOP:-8}" \

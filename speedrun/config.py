@@ -190,6 +190,10 @@ class TrainConfig:
     # Inductor's C++ wrapper: launches the compiled network's kernels from C++ instead of Python
     # (less host time per launch; longer compile).  An experiment arm, off by default.
     compile_cpp_wrapper: bool = False
+    # How our Triton kernels are launched from Python: "cached" = through the compiled kernel's
+    # handle after the first launch of each specialisation (speedrun.kernels.launch; ~10 us
+    # instead of 20-42 us per launch on the H200), "plain" = kernel[grid](...) every time (an A/B arm)
+    triton_launch: str = "cached"
     preflight: bool = False  # run `speedrun doctor` checks first and refuse a broken environment
     sample_tokens: int = 200
     sample_prompt: str = "The "

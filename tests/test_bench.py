@@ -162,3 +162,27 @@ def test_bench_step_on_gpu(tmp_path, compile_):
     # Memory per arm: a step allocates activations above what it starts with; the wider MLP more.
     assert 0 < base["resident_mib"] and 0 < base["step_peak_mib"] < wide["step_peak_mib"]
     assert base["peak_mib"] == pytest.approx(base["resident_mib"] + base["step_peak_mib"])
+
+
+def test_bench_step_under_torchrun_two_ranks(tmp_path, builtin_cache):
+    """Two gloo ranks on the CPU: each step is timed on every rank and the slowest rank counts;
+    rank 0 alone writes the table and the JSON, which records the world size."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun") or pytest.skip("torchrun not on PATH")
+    out = tmp_path / "bench.json"
+    args = ["bench", "step", "--arm", "base=tiny", "--arm", "cand=tiny:model.mlp_ratio=2",
+            "--steps", "20", "--warmup", "1", "--json", str(out)]
+    for s in SMALL:
+        args += ["--set", s]
+    env = dict(os.environ, OMP_NUM_THREADS="1", SPEEDRUN_CACHE_DIR=str(builtin_cache))
+    run = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "-m", "speedrun", *args],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["world_size"] == 2 and [a["name"] for a in res["arms"]] == ["base", "cand"]
+    assert all(len(a["times_ms"]) == 20 and min(a["times_ms"]) > 0 for a in res["arms"])
+    assert run.stdout.count("1 (baseline)") == 1, run.stdout  # one table, from rank 0

@@ -81,8 +81,9 @@ class Session:
     def step(self) -> torch.Tensor:
         """One optimizer step (see :func:`speedrun.train.loop.run_step`); returns the loss as a
         device scalar."""
-        from speedrun.train.loop import run_step
+        from speedrun.train.loop import configure_kernel_launch, run_step
 
+        configure_kernel_launch(self.cfg)  # process-wide; arms interleave in one process
         span = max(1, self.stage_end - self.stage.start_step)
         step = self.stage.start_step + self.count % span
         loss = run_step(self.run_model, self.recipe, self.loader, step, self.cfg, self.info, self.dtype)

@@ -66,6 +66,7 @@ import triton.language as tl
 from speedrun.errors import DataError
 from speedrun.kernels.fp8_cache import cdiv, interpreting, next_pow2, quantize_rows_scaled_t, quantize_static
 from speedrun.kernels.fp8_ops import quantize_tensorwise, scaled_mm, to_scale_tensor
+from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
 
 __all__ = [
@@ -525,7 +526,7 @@ def transpose_fp8(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((c, r), dtype=x.dtype, device=x.device)
     block_r, block_c = 64, 128
     with launch_note("_transpose_bytes_kernel", reads=(x,), writes=(out,)):
-        _transpose_bytes_kernel[(cdiv(r, block_r), cdiv(c, block_c))](
+        launch(_transpose_bytes_kernel, (cdiv(r, block_r), cdiv(c, block_c)),
             x.view(torch.uint8), out.view(torch.uint8), r, c, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4
         )
     return out
@@ -619,7 +620,7 @@ def softcapped_ce_fwd_bwd(
     if softcap is not None and a > 64:
         raise ValueError(f"softcap A={a} is too large for the kernel's fixed softmax offset (A <= 64)")
     with launch_note("_ce_fwd_bwd_kernel", reads=(logits, targets, prefix_targets), writes=(dlogits_out, losses_out)):
-        _ce_fwd_bwd_kernel[(programs,)](
+        launch(_ce_fwd_bwd_kernel, (programs,),
             logits,
             logits.stride(0),
             dlogits_out,

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
 
 E4M3 = torch.float8_e4m3fn
@@ -374,7 +375,7 @@ def _quantize(w, scale, fp8_dtype, *, transposed, out=None, out_t=None, amax=Non
     grid = (cdiv(R, br) * cdiv(C, bc), B)
     with launch_note("_dual_layout_kernel", reads=(w, row_scale),
                      writes=(out if store_rowmajor else None, out_t if transposed else None)):
-        _dual_layout_kernel[grid](
+        launch(_dual_layout_kernel, grid,
             w, out.view(torch.uint8), out_t.view(torch.uint8), scale, amax, row_scale if row_scale is not None else scale,
             R, C, w.stride(0) if w.dim() == 3 else 0, w.stride(-2),
             SCALE_PER_MATRIX=scale.dim() == 1, FMAX=FP8_MAX[fp8_dtype], FP8_E5M2=fp8_dtype == E5M2, STORE_T=transposed,
@@ -439,7 +440,7 @@ def abs_max(x: torch.Tensor) -> torch.Tensor:
         programs = min(programs, 4)  # the interpreter pays per program
     step = programs * block
     with launch_note("_abs_max_kernel", reads=(x,), writes=(out,)):
-        _abs_max_kernel[(programs,)](x, out, n, step, BLOCK=block, ITERS=cdiv(n, step), num_warps=warps)
+        launch(_abs_max_kernel, (programs,), x, out, n, step, BLOCK=block, ITERS=cdiv(n, step), num_warps=warps)
     return out
 
 

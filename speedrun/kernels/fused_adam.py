@@ -8,12 +8,14 @@ eager element-wise kernels that move ~130 bytes per bf16 parameter; this kernel 
 per update in the reference against ~12 GB here.
 
 The arithmetic follows the reference operation by operation in fp32 (``lerp`` with torch's
-two-sided formula, ``addcmul`` as ``a + value * (b * c)``, correctly rounded ``sqrt`` and
-division).  It is not bit-equal: the compiler may fuse a multiply and an add into one FMA where
-the eager path rounds between two kernels.  Measured on the H200 (eighth session, 3 steps at the
-record's table shapes): exp_avg bit-equal, exp_avg_sq within one fp32 ulp.  The tests bound the
-moments at a few fp32 ulps and p at one ulp of its dtype (a few under the CPU interpreter, whose
-torch reference rounds addcmul as ``(value * b) * c``).
+two-sided formula, correctly rounded ``sqrt`` and division).  The two ``addcmul``s (second moment,
+cautious decay) are torch's ``a + value * (b * c)``, which nvcc contracts into one FMA; a Triton
+compiler free to contract as it chooses came within 4 fp32 ulps, so the GPU build spells the
+roundings out with libdevice (``mul_rn``, ``fma_rn``).  Measured on the H200 (ninth session, 3
+steps at the record's table shapes): exp_avg, exp_avg_sq and p **bit-equal** to the eager
+reference (with ``fma(value * b, c, a)`` instead, 14% of exp_avg_sq differed).  The interpreter has
+no libdevice: on the CPU the tests bound the moments at a few fp32 ulps and p at a few ulps of
+its dtype.
 
 Dispatch: :func:`adam_update_auto_` (what NorMuonAndAdam calls) takes this kernel for contiguous
 CUDA tensors and the reference otherwise; ``use_triton=True`` forces the kernel (on CPU tensors
@@ -27,11 +29,14 @@ import math
 import torch
 from torch import Tensor
 
+from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
 
 try:  # optional on CPU installs: the optimizer then runs the reference (fp8_cache needs Triton)
     import triton
     import triton.language as tl
+
+    from triton.language.extra import libdevice
 
     from speedrun.kernels.fp8_cache import cdiv, interpreting
 
@@ -50,7 +55,7 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _adam_update_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, one_minus_beta1, beta2, one_minus_beta2,
-                            eps, step_size, decay, BLOCK: tl.constexpr):
+                            eps, step_size, decay, BLOCK: tl.constexpr, EXACT_ROUNDING: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         p_raw = tl.load(p_ptr + offs, mask=mask, other=0.0)
@@ -61,14 +66,24 @@ if _HAVE_TRITON:
         # torch.lerp(m, g, w): m + w * (g - m) for |w| < 0.5, else g - (g - m) * (1 - w), w in fp32
         diff = g - m
         m = tl.where(one_minus_beta1 < 0.5, m + one_minus_beta1 * diff, g - diff * (1.0 - one_minus_beta1))
-        # v.mul_(beta2).addcmul_(g, g, value=1 - beta2), CUDA's order: v + value * (g * g)
-        v = v * beta2
-        v = v + one_minus_beta2 * (g * g)
+        # v.mul_(beta2).addcmul_(g, g, value=1 - beta2): two eager kernels on CUDA, the first
+        # rounding v * beta2, the second computing a + value * (b * c) in fp32, which nvcc
+        # contracts to fma(value, b * c, a).  The GPU build spells those roundings out (the
+        # compiler would otherwise contract as it chooses); the interpreter has no libdevice.
+        if EXACT_ROUNDING:
+            v = libdevice.fma_rn(one_minus_beta2, libdevice.mul_rn(g, g), libdevice.mul_rn(v, beta2))
+        else:
+            v = v * beta2
+            v = v + one_minus_beta2 * (g * g)
         update = tl.sqrt_rn(v) + eps
         update = tl.div_rn(m, update) * step_size
         # cautious decay: only where the update and the weight agree in sign
         keep = (update * p) > 0
-        update = update + tl.where(keep, decay * p, 0.0)
+        # update.addcmul_(p, keep, value=decay): a + value * (b * c), one rounding after the FMA
+        if EXACT_ROUNDING:
+            update = libdevice.fma_rn(decay, tl.where(keep, p, 0.0), update)
+        else:
+            update = update + tl.where(keep, decay * p, 0.0)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         tl.store(p_ptr + offs, (p - update).to(p_raw.dtype), mask=mask)
@@ -117,9 +132,9 @@ def adam_update_fused_(
     n = p.numel()
     if n:
         with launch_note("_adam_update_kernel", reads=(p, grad, m, v), writes=(p, m, v)):
-            _adam_update_kernel[(cdiv(n, _BLOCK),)](
+            launch(_adam_update_kernel, (cdiv(n, _BLOCK),),
                 p, grad, m, v, n, 1.0 - beta1, beta2, 1.0 - beta2, eps, step_size,
-                lr * lr * weight_decay, BLOCK=_BLOCK, num_warps=4)
+                lr * lr * weight_decay, BLOCK=_BLOCK, EXACT_ROUNDING=not interpreting(), num_warps=4)
     return p
 
 

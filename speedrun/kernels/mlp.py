@@ -83,6 +83,7 @@ from speedrun.kernels.fp8_cache import (
     triton_usable,
 )
 from speedrun.kernels.fp8_ops import scaled_mm  # torch._scaled_mm on sm89+, exact fp32 emulation elsewhere
+from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
 
 MODES = ("bf16", "fp8_fwd", "fp8_full")
@@ -451,7 +452,7 @@ def relu2_gemm(
         bm, bn, warps = (32, 64, 1) if interpreting() else EPILOGUE_CONFIG
         grid = (cdiv(M, bm), cdiv(N, bn))
         with launch_note("_relu2_epilogue_kernel", reads=(acc, aux), writes=(out, out_q, out_qt)):
-            _relu2_epilogue_kernel[grid](acc, *ptrs, M, N, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+            launch(_relu2_epilogue_kernel, grid, acc, *ptrs, M, N, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
                                          **{**common, "AB_SCALED": False})
         return GemmOut(out, out_q, out_qt, amax)
     if _use_tma(a, b):
@@ -462,7 +463,7 @@ def relu2_gemm(
         sms = sm_count(a.device)
         grid = (min(sms, cdiv(M, bm) * cdiv(N, bn)),)
         with launch_note("_relu2_gemm_tma_kernel", reads=(a, b, aux), writes=(out, out_q, out_qt), flops=2 * M * N * K):
-            _relu2_gemm_tma_kernel[grid](
+            launch(_relu2_gemm_tma_kernel, grid,
                 TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]), *ptrs,
                 M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_SMS=sms, FLATTEN=TMA_FLATTEN,
                 num_warps=warps, num_stages=stages, **common,
@@ -471,7 +472,7 @@ def relu2_gemm(
     bm, bn, bk, gm, warps, stages = _INTERP_CONFIG if interpreting() else GPU_CONFIGS["fp8" if fp8 else "bf16"]
     grid = (cdiv(M, bm) * cdiv(N, bn),)
     with launch_note("_relu2_gemm_kernel", reads=(a, b, aux), writes=(out, out_q, out_qt), flops=2 * M * N * K):
-        _relu2_gemm_kernel[grid](
+        launch(_relu2_gemm_kernel, grid,
             a, b, *ptrs, M, N, K,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             EVEN_K=K % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,

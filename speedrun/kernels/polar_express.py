@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
 
 try:  # Triton is optional on CPU-only installs; the references then do all the work.
@@ -325,7 +326,7 @@ def _launch_sym(kernel, name: str, A: Tensor, out: Tensor, n_out: int, reduce_di
     # symmetric output: the kernels compute the upper-triangle blocks, ~half of a full GEMM's FLOPs
     flops = a3.size(0) * n_out * n_out * (a3.size(1) if kernel is _xtx_kernel else a3.size(2))
     with launch_note(f"_{name}_kernel", reads=(A,), writes=(out,), flops=flops):
-        kernel[grid](
+        launch(kernel, grid,
             a3, c3, *sizes, *scalars,
             a3.stride(0), a3.stride(1), a3.stride(2), c3.stride(0), c3.stride(1), c3.stride(2),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, INTERPRET=triton_interpreted(),

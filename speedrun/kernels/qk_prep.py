@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from speedrun.kernels.fp8_cache import _round_to_grid, cdiv, grid_constants, interpreting, next_pow2, triton_usable
+from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
 from speedrun.model.rotary import apply_rotary
 
@@ -346,7 +347,7 @@ def _launch_fwd(qkv, cos, sin, aux, T, H, dqk, dv, n, dout, paired, key_offset, 
     tables = 2 * (2 * T if paired else T) * cos.shape[-1] * cos.element_size()
     with launch_note("_qk_prep_fwd_kernel", reads=(qkv, aux2 if aux is not None else None), writes=(q, k, v),
                      extra_bytes=tables):
-        _qk_prep_fwd_kernel[(cdiv(T * H, br),)](
+        launch(_qk_prep_fwd_kernel, (cdiv(T * H, br),),
             qkv, cos, sin, aux2, q, k, v, T, qkv.stride(0), cos.stride(0), aux2.stride(0),
             EPS=float(eps), H=H, DQK=dqk, DV=dv, NF=n, DOUT=dout, PAIRED=paired, KEY_OFFSET=key_offset and T > 1,
             HAS_AUX=aux is not None, BLOCK_R=br, BLOCK_D=next_pow2(dout),
@@ -373,7 +374,7 @@ def _launch_bwd(qkv, cos, sin, dq, dk, dv, T, H, dqk, dv_dim, n, paired, key_off
         return dx
     tables = 2 * (2 * T if paired else T) * cos.shape[-1] * cos.element_size()
     with launch_note("_qk_prep_bwd_kernel", reads=(qkv, dq, dk, dv), writes=(dx,), extra_bytes=tables):
-        _qk_prep_bwd_kernel[(cdiv(T * H, br),)](
+        launch(_qk_prep_bwd_kernel, (cdiv(T * H, br),),
             qkv, cos, sin, dq, dk, dv, dx, T, qkv.stride(0), cos.stride(0), dx.stride(0),
             dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             EPS=float(eps), H=H, DQK=dqk, DV=dv_dim, NF=n, PAIRED=paired, KEY_OFFSET=key_offset and T > 1,

@@ -70,6 +70,7 @@ from speedrun.kernels.fp8_cache import (
     triton_usable,
 )
 from speedrun.kernels.fp8_ops import scaled_mm
+from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
 
 __all__ = [
@@ -295,9 +296,9 @@ def pack_qkv_fp8(
     grid = (cdiv(N, bn), cdiv(D, bd))
     u8, u8t = data.view(torch.uint8), data_t.view(torch.uint8)
 
-    def launch(amax_only, inv, amax):
+    def run_pack(amax_only, inv, amax):
         with launch_note("_pack_kernel", reads=(qk2, w_v), writes=() if amax_only else (data, data_t)):
-            _pack_kernel[grid](
+            launch(_pack_kernel, grid,
                 qk2, w_v, inv, u8, u8t, amax, N, qk2.stride(0), w_v.stride(0),
                 H=H, DQK=dqk, DV=dv, D=D, AMAX_ONLY=amax_only, FMAX=FP8_MAX[E4M3],
                 BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, **grid_constants(E4M3),
@@ -306,10 +307,10 @@ def pack_qkv_fp8(
     first = None
     if scale is None:
         first = torch.zeros((), dtype=torch.float32, device=dev)
-        launch(True, sa, first)  # inv unused in amax-only mode
+        run_pack(True, sa, first)  # inv unused in amax-only mode
     raw, inv, deq = _scales(first, scale, sa)
     amax = torch.zeros((), dtype=torch.float32, device=dev)
-    launch(False, inv.reshape(()).contiguous(), amax)
+    run_pack(False, inv.reshape(()).contiguous(), amax)
     return PackedQKV(data, data_t, deq, raw, amax, H, dqk, dv)
 
 
@@ -430,7 +431,7 @@ def unpack_packed_grad(g, w_qk, w_v, sa, num_heads: int, want_dsa: bool):
     s = sa.detach().reshape(()).float()
     with launch_note("_unpack_grad_kernel", reads=(g, w_qk if want_dsa else None, w_v if want_dsa else None),
                      writes=(dw_qk, dw_v)):
-        _unpack_grad_kernel[grid](
+        launch(_unpack_grad_kernel, grid,
             g, w_qk, w_v, dw_qk, dw_v, s, partial, N, H=H, DQK=dqk, DV=dv, D=D, WANT_DSA=want_dsa,
             BLOCK_N=bn, BLOCK_D=bd, num_warps=warps,
             EXACT=interpreting() and w_qk.dtype in GRID, **grid_constants(w_qk.dtype if w_qk.dtype in GRID else torch.bfloat16),

@@ -197,6 +197,16 @@ def _validation_variants(recipe, total_steps: int, val_every: int) -> dict[int, 
     return out
 
 
+def configure_kernel_launch(cfg: RunConfig) -> None:
+    """Apply ``train.triton_launch`` (process-wide: how our Triton kernels are launched)."""
+    from speedrun.kernels import launch
+
+    choices = ("cached", "plain")
+    if cfg.train.triton_launch not in choices:
+        raise ConfigError(f"train.triton_launch must be one of {', '.join(choices)}, got {cfg.train.triton_launch!r}")
+    launch.set_enabled(cfg.train.triton_launch == "cached")
+
+
 def compile_model(model, cfg: RunConfig):
     """``model`` with its network compiled when ``train.compile`` (returns the same object).
 
@@ -334,6 +344,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     if hasattr(model, "warm_tables"):  # RoPE tables must exist before compiling
         recipe.max_tokens = max(per_rank)
         model.warm_tables(max(per_rank), device)
+    configure_kernel_launch(cfg)
     run_model = compile_model(model, cfg)
     bigram_mod = getattr(model, "bigram_mod", None)
 
