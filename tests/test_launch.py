@@ -141,6 +141,12 @@ def test_launch_hooks_are_passed_through_with_metadata(fake_api):
                              (2, 1, 1, 1234, "fn", "meta", md, enter, leave, x, 16, 16, False)]
 
 
+def test_a_tensor_passed_by_keyword_is_not_cached(fake_api):
+    k = FakeKernel()
+    L.launch(k, (1,), torch.zeros(4), 4, BLOCK=torch.ones(1))
+    assert L.cached_kernels() == 0 and L.stats()["uncacheable"] == 1
+
+
 def test_missing_parameter_is_a_clear_error(fake_api):
     with pytest.raises(TypeError, match="missing argument 'BLOCK'"):
         L.launch(FakeKernel(), (1,), torch.zeros(4), 4)

@@ -61,7 +61,8 @@ def clear() -> None:
 
 def stats() -> dict[str, int]:
     """Launches through the compiled handle ("cached") and through ``kernel[grid]`` ("plain"), and
-    plain launches whose result was not a ``CompiledKernel`` ("uncacheable")."""
+    plain launches not cached (no ``CompiledKernel`` came back, or a tensor was passed by keyword:
+    "uncacheable")."""
     return dict(_STATS)
 
 
@@ -157,7 +158,8 @@ def launch(kernel, grid, *args, **meta):
     if hit is None:
         _STATS["plain"] += 1
         compiled = kernel[grid](*args, **meta)
-        if isinstance(compiled, api[3]):
+        # a tensor passed by keyword would be keyed (and kept alive) by identity: never cached
+        if isinstance(compiled, api[3]) and not any(isinstance(v, torch.Tensor) for v in meta.values()):
             _CACHE[key] = (compiled, _tail(kernel, len(args), meta))
         else:
             _STATS["uncacheable"] += 1
