@@ -147,6 +147,17 @@ def test_a_tensor_passed_by_keyword_is_not_cached(fake_api):
     assert L.cached_kernels() == 0 and L.stats()["uncacheable"] == 1
 
 
+def test_plain_launches_context(fake_api):
+    k, x = FakeKernel(), torch.zeros(16)
+    L.launch(k, (1,), x, 16, BLOCK=16)
+    with L.plain_launches():
+        assert not L.enabled()
+        L.launch(k, (1,), x, 16, BLOCK=16)
+    assert L.enabled() and len(k.plain) == 2
+    L.launch(k, (1,), x, 16, BLOCK=16)
+    assert len(k.plain) == 2
+
+
 def test_missing_parameter_is_a_clear_error(fake_api):
     with pytest.raises(TypeError, match="missing argument 'BLOCK'"):
         L.launch(FakeKernel(), (1,), torch.zeros(4), 4)

@@ -28,11 +28,12 @@ was written against (3.6), and whenever :func:`set_enabled` turned the cache off
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
-__all__ = ["launch", "set_enabled", "enabled", "clear", "cached_kernels", "stats", "off_reason"]
+__all__ = ["launch", "set_enabled", "enabled", "plain_launches", "clear", "cached_kernels", "stats", "off_reason"]
 
 _ENABLED = True
 _CACHE: dict[tuple, tuple[Any, tuple]] = {}
@@ -50,6 +51,18 @@ def set_enabled(on: bool) -> None:
 
 def enabled() -> bool:
     return _ENABLED
+
+
+@contextlib.contextmanager
+def plain_launches() -> Iterator[None]:
+    """Inside: every launch through ``kernel[grid](...)`` (``JITFunction.run``), e.g. where a tool
+    counts launches there; the previous setting is restored after."""
+    was = _ENABLED
+    set_enabled(False)
+    try:
+        yield
+    finally:
+        set_enabled(was)
 
 
 def clear() -> None:
