@@ -142,6 +142,8 @@ def test_bench_stage_selection_and_errors(tmp_path, capsys):
     assert "out of range" in capsys.readouterr().err
     assert main(["bench", "step", "--arm", "a=tiny", "--steps", "5"]) == 2
     assert ">= 20" in capsys.readouterr().err
+    assert main(args[:4] + ["--stage", "0"] + args[6:] + ["--set", "train.triton_launch=fast"]) == 2
+    assert "train.triton_launch must be one of cached, plain" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

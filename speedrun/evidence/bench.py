@@ -99,10 +99,11 @@ def build_session(name: str, cfg: RunConfig, stage_index: int, info) -> Session:
     the way :func:`speedrun.train.loop.train` builds them."""
     from speedrun.data import TrainLoader
     from speedrun.model import build_model
-    from speedrun.train.loop import compile_model, resolve_data, tokens_per_rank
+    from speedrun.train.loop import compile_model, configure_kernel_launch, resolve_data, tokens_per_rank
     from speedrun.train.recipes import build_recipe
 
     cfg.model.validate()
+    configure_kernel_launch(cfg)  # refuses a bad train.triton_launch before the build; re-applied per step
     device = info.device
     dtype = resolve_dtype(cfg, device)
     train_files, _, tokenizer = resolve_data(cfg)
