@@ -137,3 +137,22 @@ def test_opaque_host_bench_runs_on_the_cpu(capsys):
     assert mod.main(["--ops", "2", "--reps", "2", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     assert "opaque  forward" in out and "plain   forward" in out and "opaque over plain" in out
+
+
+@pytest.mark.usefixtures("use_builtin_cache", "one_thread")
+def test_host_profile_script_profiles_a_tiny_arm(tmp_path, capsys):
+    """host_profile.py builds the arm, warms it up and writes cProfile tables naming run_step."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("host_profile", SCRIPTS[0].parent / "host_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    small = ["model.num_layers=1", "model.model_dim=64", "model.num_heads=2", "model.qk_head_dim=16",
+             "model.v_head_dim=32", "train.batch_tokens=1024", "train.max_seq_len=128"]
+    args = ["--arm", "t=tiny", "--warmup", "1", "--steps", "1", "--top", "10", "--out", str(tmp_path)]
+    for s in small:
+        args += ["--set", s]
+    assert mod.main(args) == 0
+    text = (tmp_path / "host_profile_t.txt").read_text()
+    assert "by own time" in text and "by cumulative time" in text and "run_step" in text
+    assert "written:" in capsys.readouterr().out

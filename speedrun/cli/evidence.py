@@ -115,6 +115,13 @@ memory on CUDA (what it keeps allocated plus the most one step adds, MiB), and t
 median to the first arm's with a paired bootstrap 95% CI.  Under torchrun a step's time is the
 maximum over ranks.
 
+Is the step host-bound?  --host-steps N traces N more steps per arm: for each phase (setup,
+data, forward, backward, optimizer...) the host's time to issue it, the GPU's time for it (CUDA
+events at the phase ends) and the lead, how long after the host issued the phase's end the GPU
+got there.  A lead near 0 means the GPU was waiting for Python at that point.  --sync-scan runs
+one more step under torch's sync debug mode and names the lines that make the host wait for the
+GPU (a .item(), torch.tensor(list, device="cuda"), t[idx] = True: blocking copies).
+
 arm syntax: NAME=PRESET[:SECTION.FIELD=VALUE,SECTION.FIELD=VALUE,...]  (a bare PRESET names the
 arm after the preset; --set applies to every arm before the arm's own overrides)
 
@@ -187,6 +194,12 @@ def _add_bench(sub) -> None:
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the results (with every time) as JSON")
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resampling (default 0)")
     p.add_argument("--device", help="cpu, cuda or auto (sets train.device)")
+    p.add_argument("--host-steps", type=int, default=0, metavar="N",
+                   help="N more steps per arm traced phase by phase: host issue time, GPU time and how "
+                        "far the GPU trails the host (default 0; 5 is enough)")
+    p.add_argument("--sync-scan", action="store_true",
+                   help="one more step per arm under torch's sync debug mode: list the calls that "
+                        "synchronise with the GPU, with our code's lines (CUDA)")
     _arm_common(p)
     p.set_defaults(func=_bench_step)
     bench.set_defaults(func=lambda args: bench.print_help() or 2)

@@ -73,20 +73,23 @@ class Session:
     times_ms: list[float] = field(default_factory=list)
     resident_bytes: int = 0  # allocated by building and warming up this arm (CUDA)
     step_peak_bytes: int = 0  # max over timed steps of (peak during the step - allocated at its start)
+    host_steps: list = field(default_factory=list)  # speedrun.evidence.host.StepTrace per traced step
+    syncs: list | None = None  # synchronising calls of one step (find_syncs), None when not scanned
 
     @property
     def optimizer(self):
         return self.recipe.optimizer
 
-    def step(self) -> torch.Tensor:
-        """One optimizer step (see :func:`speedrun.train.loop.run_step`); returns the loss as a
-        device scalar."""
+    def step(self, on_phase=None) -> torch.Tensor:
+        """One optimizer step (see :func:`speedrun.train.loop.run_step`, which calls ``on_phase``);
+        returns the loss as a device scalar."""
         from speedrun.train.loop import configure_kernel_launch, run_step
 
         configure_kernel_launch(self.cfg)  # process-wide; arms interleave in one process
         span = max(1, self.stage_end - self.stage.start_step)
         step = self.stage.start_step + self.count % span
-        loss = run_step(self.run_model, self.recipe, self.loader, step, self.cfg, self.info, self.dtype)
+        loss = run_step(self.run_model, self.recipe, self.loader, step, self.cfg, self.info, self.dtype,
+                        on_phase=on_phase)
         self.count += 1
         return loss
 
@@ -239,13 +242,18 @@ def _gather_max(times: list[float], info) -> list[float]:
 
 def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 0, steps: int = MIN_STEPS,
                warmup: int = 3, common: Sequence[str] = (), seed: int = 0, n_boot: int = 2000,
-               progress: bool = False) -> dict[str, Any]:
+               progress: bool = False, host_steps: int = 0, sync_scan: bool = False) -> dict[str, Any]:
     """Time ``steps`` optimizer steps per arm, interleaved, after ``warmup`` untimed steps each.
 
     ``arms``: ArmSpecs (``common`` overrides are applied to each before its own) or
     ``(name, RunConfig)`` pairs; the first arm is the baseline of the ratios.  ``stage`` indexes
     ``stages_of(cfg)``.  Returns a JSON-able dict (see :func:`render_table`); every rank returns
     the same numbers.
+
+    Host side (see :mod:`speedrun.evidence.host`; rank 0's numbers): ``host_steps`` more steps
+    per arm, interleaved, traced phase by phase (host issue time, GPU time, how far the GPU trails
+    the host); ``sync_scan``: one more step per arm under torch's sync debug mode, listing the
+    calls that synchronise.  Both run after the timed steps.
     """
     if not arms:
         raise ConfigError("bench step needs at least one arm")
@@ -275,6 +283,7 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
             if progress and info.is_main and (rep + 1) % 10 == 0:
                 print(f"  {rep + 1}/{steps} repetitions", flush=True)
         times = {s.name: _gather_max(s.times_ms, info) for s in sessions}
+        _host_side(sessions, info, host_steps, sync_scan)
     finally:
         for s in sessions:
             s.close()
@@ -284,6 +293,20 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
     if info.device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def _host_side(sessions: Sequence[Session], info, host_steps: int, sync_scan: bool) -> None:
+    """Fill each session's ``host_steps`` (traced steps) and ``syncs`` (see :func:`bench_step`)."""
+    from speedrun.evidence.host import find_syncs, trace_step
+
+    if host_steps < 0:
+        raise ConfigError(f"--host-steps must be >= 0, got {host_steps}")
+    for _ in range(host_steps):
+        for s in sessions:
+            s.host_steps.append(trace_step(s.step, info.device))
+    if sync_scan:
+        for s in sessions:
+            s.syncs = find_syncs(s.step, info.device)
 
 
 def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info) -> dict[str, Any]:
@@ -309,6 +332,12 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
             "times_ms": times[name],
             "config": cfg.to_dict(),
         }
+        if s.host_steps:
+            from speedrun.evidence.host import summarize_traces
+
+            entry["host"] = summarize_traces(s.host_steps)
+        if s.syncs is not None:
+            entry["syncs"] = s.syncs
         if name != base:
             entry["vs_" + base] = bootstrap_ratio_ci(times[base], times[name], n_boot=n_boot, seed=seed)
         out_arms.append(entry)
@@ -357,9 +386,37 @@ def render_table(result: dict[str, Any]) -> str:
         peak_s = f"{peak:>9,.0f}" if peak is not None else f"{'-':>9}"
         lines.append(f"{a['name']:<16} {a['median_ms']:>10.3f} {a['q1_ms']:>9.3f} {a['q3_ms']:>9.3f} "
                      f"{a['iqr_ms']:>8.3f} {a['tokens_per_s']:>13,.0f} {peak_s}  {ratio}")
+    lines += _render_host(result)
     for w in result["warnings"]:
         lines.append(f"warning: {w}")
     return "\n".join(lines) + "\n"
+
+
+def _render_host(result: dict[str, Any]) -> list[str]:
+    arms = [a for a in result["arms"] if "host" in a]
+    lines: list[str] = []
+    if arms:
+        n = arms[0]["host"]["steps"]
+        lines += ["", f"host side: {n} traced steps per arm (medians; micro-batch phases summed over micro-batches; "
+                      "rank 0).  lead: how long after the host issued a phase's end the GPU reached it, the least "
+                      "over micro-batches; near 0 = the GPU waits for the host there"]
+        head = f"{'arm':<16} {'phase':<15} {'host ms':>9} {'GPU ms':>9} {'lead ms':>9}"
+        lines += [head, "-" * len(head)]
+        fmt = lambda v: f"{v:>9.2f}" if v is not None else f"{'-':>9}"  # noqa: E731
+        for a in arms:
+            h = a["host"]
+            for phase, t in h["phases"].items():
+                lines.append(f"{a['name']:<16} {phase:<15} {fmt(t['host_ms'])} {fmt(t['gpu_ms'])} {fmt(t['lead_min_ms'])}")
+            lines.append(f"{a['name']:<16} {'(whole step)':<15} {fmt(h['host_ms'])} {fmt(a['median_ms'])} {'':>9}")
+    scanned = [a for a in result["arms"] if "syncs" in a]
+    if scanned:
+        lines += ["", "synchronising calls in one step (torch.cuda sync debug mode):"]
+        for a in scanned:
+            if not a["syncs"]:
+                lines.append(f"  {a['name']}: none")
+            for e in a["syncs"]:
+                lines.append(f"  {a['name']}: {e['count']} x {e['site']}")
+    return lines
 
 
 def write_json(result: dict[str, Any], path: str | Path) -> Path:
@@ -376,11 +433,13 @@ def cli_bench_step(args) -> int:
     if args.steps < MIN_STEPS:
         raise ConfigError(f"--steps must be >= {MIN_STEPS} (the median and its confidence interval need them), "
                           f"got {args.steps}")
+    if args.host_steps < 0:
+        raise ConfigError(f"--host-steps must be >= 0, got {args.host_steps}")
     arms = parse_arms(args.arm)
     common = data_overrides(args.data, args.val_data) + (["train.device=" + args.device] if args.device else []) \
         + list(args.overrides)
     result = bench_step(arms, stage=args.stage, steps=args.steps, warmup=args.warmup, common=common,
-                        seed=args.seed, progress=True)
+                        seed=args.seed, progress=True, host_steps=args.host_steps, sync_scan=args.sync_scan)
     if result["fingerprint"] is None:  # not rank 0
         return 0
     print(render_table(result), end="")

@@ -101,12 +101,30 @@ _LOG2E = 1.4426950408889634
 # Input checks shared by every entry point
 
 
+_WEIGHT_TENSORS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
+
+
 def _weights_tensor(w: torch.Tensor | Sequence[float], device: torch.device, name: str) -> torch.Tensor:
+    """``w`` as a contiguous fp32 vector on ``device``.  A sequence of floats is copied once per
+    distinct value tuple and device (every micro-batch of a step reuses it), and on CUDA from
+    pinned memory without blocking: ``torch.tensor(values, device="cuda")`` is a blocking copy
+    that drains the GPU's queue once per call (found by ``speedrun bench step --sync-scan``)."""
     if isinstance(w, torch.Tensor):
         if not w.is_floating_point():
             raise ValueError(f"{name} must be a floating tensor, got {w.dtype}")
         return w.reshape(-1).to(device=device, dtype=torch.float32).contiguous()
-    return torch.tensor([float(v) for v in w], dtype=torch.float32, device=device)
+    key = (tuple(float(v) for v in w), torch.device(device))
+    t = _WEIGHT_TENSORS.get(key)
+    if t is None:
+        host = torch.tensor(key[0], dtype=torch.float32)
+        if key[1].type == "cuda":
+            t = host.pin_memory().to(key[1], non_blocking=True)
+        else:
+            t = host.to(key[1])
+        if len(_WEIGHT_TENSORS) >= 64:  # ramped weights make a new tuple every step
+            _WEIGHT_TENSORS.clear()
+        _WEIGHT_TENSORS[key] = t
+    return t
 
 
 def _prefix_weight_tensor(pw: float | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -12,6 +12,8 @@ up to fp32 summation order, plus whatever ``use_fast_accum`` loses on the GPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["FP8_DTYPES", "fp8_supported", "quantize_tensorwise", "scaled_mm", "to_scale_tensor"]
@@ -31,7 +33,13 @@ def fp8_supported(device: torch.device | str | None) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return _has_fp8_tensor_cores(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fp8_tensor_cores(index: int) -> bool:
+    # Cached: the capability query costs ~40 us of host time and scaled_mm asks on every call.
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def to_scale_tensor(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -458,12 +458,17 @@ class NorMuonAndAdam:
 
         For "sharded_sparse" tables: call every step with the rows the forward touched (e.g. the
         bigram ids of the batch); the next Adam step exchanges only those rows.  A table with no
-        marked rows falls back to the dense reduce-scatter, which is always correct.
+        marked rows falls back to the dense reduce-scatter, which is always correct.  Does nothing
+        for tables not exchanged sparsely (one rank: nothing is exchanged).
         """
         e = self.entries[label]
+        if e.comms != "sharded_sparse":
+            return
         if label not in self._touched:
             self._touched[label] = torch.zeros(e.param.shape[0], dtype=torch.bool, device=e.param.device)
-        self._touched[label][rows.to(device=e.param.device, dtype=torch.long).reshape(-1)] = True
+        # index_fill_, not ``t[idx] = True``: that copies the Python scalar to the device with a
+        # blocking copy, a synchronisation per micro-batch (speedrun bench step --sync-scan).
+        self._touched[label].index_fill_(0, rows.to(device=e.param.device, dtype=torch.long).reshape(-1), True)
 
     def zero_grad(self) -> None:
         """Drop every gradient (including Adam's accumulated ones)."""

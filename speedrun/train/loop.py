@@ -16,6 +16,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -119,30 +120,47 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype) -> torch.Tensor:
+STEP_PHASES = ("setup", "data", "forward", "backward", "after_backward", "grad_reduce", "optimizer", "fp8_step_end")
+
+
+def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
+             on_phase: Callable[[str], None] | None = None) -> torch.Tensor:
     """One optimizer step of ``recipe`` over the configured micro-batches.
 
-    Returns this rank's mean training loss as a device scalar (reading it would synchronize)."""
+    Returns this rank's mean training loss as a device scalar (reading it would synchronize).
+    ``on_phase``: called with ``"start"`` first, then with each phase of :data:`STEP_PHASES` as
+    the host finishes issuing it (the micro-batch phases once per micro-batch); see
+    :class:`speedrun.evidence.host.PhaseRecorder`."""
     from speedrun.kernels import opaque
 
+    mark = on_phase or (lambda _: None)
+    mark("start")
     opaque.clear_pending()  # state of fused-kernel forwards whose backward never ran (a dropped loss)
     recipe.before_step(step)
     args = recipe.forward_args(step)
     accum = grad_accum_steps(cfg, info.world_size)
     total = torch.zeros((), device=info.device)
+    mark("setup")
     for _ in range(accum):
         batch = loader.next_batch()
+        mark("data")
         with _autocast(info.device, dtype):
             loss = model.loss(batch, args) / accum
+        mark("forward")
         loss.backward()
+        mark("backward")
         recipe.after_backward(batch)
         total += loss.detach()
+        mark("after_backward")
     if not recipe.grads_reduced_by_optimizer:
         distributed.all_reduce_mean_([p.grad for p in model.parameters() if p.grad is not None], info)
+    mark("grad_reduce")
     recipe.optimizer_step(step)
+    mark("optimizer")
     end_fp8_step = getattr(model, "end_fp8_step", None)
     if end_fp8_step is not None:  # next step's FP8 activation scales, the same on every rank
         end_fp8_step()
+    mark("fp8_step_end")
     return total
 
 

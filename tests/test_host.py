@@ -1,0 +1,103 @@
+"""speedrun.evidence.host on the CPU: phase timings from the recorder, summaries, the sync-warning
+collector, and ``bench step --host-steps --sync-scan`` end to end on tiny arms.  The CUDA half
+(events, leads, torch's sync debug mode) is tested in tests/gpu/test_host_gpu.py."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from speedrun.cli import main
+from speedrun.evidence.host import (SYNC_WARNING, PhaseRecorder, PhaseTiming, StepTrace, collect_sync_warnings,
+                                    summarize_traces, trace_step)
+from speedrun.train.loop import STEP_PHASES
+
+pytestmark = pytest.mark.usefixtures("use_builtin_cache", "one_thread")
+
+SMALL = ["model.num_layers=1", "model.model_dim=64", "model.num_heads=2", "model.qk_head_dim=16",
+         "model.v_head_dim=32", "train.batch_tokens=1024", "train.max_seq_len=128"]
+CPU = torch.device("cpu")
+
+
+def test_recorder_sums_repeated_phases_and_refuses_disorder():
+    rec = PhaseRecorder(CPU)
+    rec.names = ["start", "setup", "data", "forward", "data", "forward", "optimizer"]
+    rec.host_s = [1.0, 1.001, 1.003, 1.010, 1.012, 1.020, 1.050]
+    t = rec.timings()
+    assert list(t) == ["setup", "data", "forward", "optimizer"]
+    assert {k: v.host_ms for k, v in t.items()} == pytest.approx({"setup": 1.0, "data": 4.0, "forward": 15.0,
+                                                                  "optimizer": 30.0})
+    assert t["data"].count == 2 and t["forward"].gpu_ms is None and t["forward"].lead_min_ms is None
+    one = PhaseRecorder(CPU)
+    one("start")
+    assert one.timings() == {}
+    bad = PhaseRecorder(CPU)
+    bad.names, bad.host_s = ["start", "setup"], [2.0, 1.0]
+    with pytest.raises(ValueError, match="out of time order"):
+        bad.timings()
+
+
+def test_summary_takes_medians_per_phase():
+    traces = [StepTrace(10.0, {"forward": PhaseTiming(6.0, 8.0, 0.5)}),
+              StepTrace(12.0, {"forward": PhaseTiming(7.0, 9.0, 1.5), "data": PhaseTiming(1.0)}),
+              StepTrace(30.0, {"forward": PhaseTiming(20.0, 10.0, 0.0)})]
+    s = summarize_traces(traces)
+    assert s["steps"] == 3 and s["host_ms"] == pytest.approx(12.0)
+    assert s["phases"]["forward"] == pytest.approx({"host_ms": 7.0, "gpu_ms": 9.0, "lead_min_ms": 0.5})
+    assert s["phases"]["data"] == {"host_ms": 1.0, "gpu_ms": None, "lead_min_ms": None}
+    with pytest.raises(ValueError):
+        summarize_traces([])
+
+
+def _sync_here():
+    warnings.warn(f"called a {SYNC_WARNING}", UserWarning)
+
+
+def test_sync_collector_groups_by_call_site_and_passes_other_warnings():
+    def run():
+        for _ in range(3):
+            _sync_here()
+        _sync_here()
+        warnings.warn("something else", UserWarning)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        found = collect_sync_warnings(run)
+    assert [e["count"] for e in found] == [4]  # one line, called from two places: one site (innermost frame)
+    assert found[0]["site"].startswith("test_host.py:") and found[0]["site"].endswith("_sync_here")
+    assert SYNC_WARNING in found[0]["message"]
+    assert [str(w.message) for w in seen] == ["something else"]
+    assert collect_sync_warnings(lambda: None) == []
+
+
+def test_trace_step_on_cpu_times_the_phases():
+    def step(on_phase):
+        on_phase("start")
+        on_phase("forward")
+        on_phase("optimizer")
+
+    r = trace_step(step, CPU)
+    assert set(r.phases) == {"forward", "optimizer"} and r.host_ms >= 0
+    assert all(p.host_ms >= 0 and p.gpu_ms is None for p in r.phases.values())
+
+
+def test_bench_step_host_side_on_tiny_arms(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["bench", "step", "--arm", "base=tiny", "--arm", "b2=tiny:model.mlp_ratio=2", "--steps", "20",
+            "--warmup", "1", "--host-steps", "2", "--sync-scan", "--json", str(out)]
+    for s in SMALL:
+        args += ["--set", s]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "host side" in text and "forward" in text and "(whole step)" in text
+    res = json.loads(out.read_text())
+    for arm in res["arms"]:
+        h = arm["host"]
+        assert h["steps"] == 2 and set(h["phases"]) <= set(STEP_PHASES)
+        assert {"setup", "data", "forward", "backward", "optimizer"} <= set(h["phases"])
+        assert all(p["gpu_ms"] is None and p["host_ms"] >= 0 for p in h["phases"].values())  # no GPU
+        assert 0 < sum(p["host_ms"] for p in h["phases"].values()) <= h["host_ms"] + 1e-6
+        assert "syncs" not in arm  # the scan needs CUDA
+    assert main(args[:-2] + ["--host-steps", "-1"]) == 2
+    assert "--host-steps must be >= 0" in capsys.readouterr().err
