@@ -372,3 +372,31 @@ def test_host_cdiv_and_next_pow2_match_tritons():
     for n in list(range(1, 300)) + [50304, 2**20, 2**20 + 1]:
         assert next_pow2(n) == triton.next_power_of_2(n)
     assert interpreting() == (os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
+def test_cuda_capability_is_asked_once_per_device(monkeypatch):
+    """The launchers ask for the capability on every call; torch's query costs ~40 us of host time."""
+    from speedrun.kernels import fp8_ops
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: asked.append(i) or (9, 0))
+    fp8_ops._capability_of.cache_clear()
+    try:
+        for _ in range(3):
+            assert fp8_ops.cuda_capability(torch.device("cuda", 0)) == (9, 0)
+        assert fp8_ops.cuda_capability(torch.device("cuda", 1)) == (9, 0)
+        assert asked == [0, 1]
+    finally:
+        fp8_ops._capability_of.cache_clear()
+
+
+def test_to_scale_tensor_passes_ready_scales_through():
+    from speedrun.kernels.fp8_ops import to_scale_tensor
+
+    ready = torch.tensor(0.5)
+    assert to_scale_tensor(ready, torch.device("cpu")) is ready
+    one = to_scale_tensor(torch.tensor([0.25], dtype=torch.float64), torch.device("cpu"))
+    assert one.shape == () and one.dtype == torch.float32 and one.item() == 0.25
+    assert to_scale_tensor(2.0, torch.device("cpu")).item() == 2.0
+    with pytest.raises(ValueError, match="one value"):
+        to_scale_tensor(torch.ones(2), torch.device("cpu"))

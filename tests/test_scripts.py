@@ -156,3 +156,27 @@ def test_host_profile_script_profiles_a_tiny_arm(tmp_path, capsys):
     text = (tmp_path / "host_profile_t.txt").read_text()
     assert "by own time" in text and "by cumulative time" in text and "run_step" in text
     assert "written:" in capsys.readouterr().out
+
+
+def test_device_run_packs_more_than_eight_outputs(tmp_path):
+    """The device tool brings back at most 8 files: device_run.sh archives the outputs beyond that."""
+    import tarfile
+
+    bash = shutil.which("bash") or pytest.skip("no bash")
+    script = [s for s in SCRIPTS if s.name == "device_run.sh"][0]
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    for i in range(9):
+        (out / ("sub" if i == 8 else ".") / f"f{i}.txt").write_text(str(i))
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "BUDGET_S": "30"}
+    res = subprocess.run([bash, str(script), "no_such_part"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert "outputs packed into all_outputs.tgz" in res.stdout, res.stdout + res.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["all_outputs.tgz"]
+    with tarfile.open(out / "all_outputs.tgz") as tar:
+        names = {n.lstrip("./") for n in tar.getnames()}
+    assert {"gpu.txt", "sub/f8.txt"} | {f"f{i}.txt" for i in range(8)} <= names
+    few = tmp_path / "few"
+    few.mkdir()
+    res = subprocess.run([bash, str(script), "no_such_part"], capture_output=True, text=True,
+                         env={**env, "OUT": str(few)}, cwd=tmp_path)
+    assert "packed" not in res.stdout and (few / "gpu.txt").exists()

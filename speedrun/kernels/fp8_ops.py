@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-__all__ = ["FP8_DTYPES", "fp8_supported", "quantize_tensorwise", "scaled_mm", "to_scale_tensor"]
+__all__ = ["FP8_DTYPES", "cuda_capability", "fp8_supported", "quantize_tensorwise", "scaled_mm", "to_scale_tensor"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -33,13 +33,18 @@ def fp8_supported(device: torch.device | str | None) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
         return False
-    return _has_fp8_tensor_cores(torch.cuda.current_device() if device.index is None else device.index)
+    return cuda_capability(device) >= (8, 9)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA ``device``, asked once per device: the query
+    costs ~40 us of host time and the launchers ask on every call (hundreds per step)."""
+    return _capability_of(torch.cuda.current_device() if device.index is None else device.index)
 
 
 @functools.lru_cache(maxsize=None)
-def _has_fp8_tensor_cores(index: int) -> bool:
-    # Cached: the capability query costs ~40 us of host time and scaled_mm asks on every call.
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+def _capability_of(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 def to_scale_tensor(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -48,6 +53,8 @@ def to_scale_tensor(scale: float | torch.Tensor, device: torch.device) -> torch.
     ``torch.full`` is a device fill, not a host-to-device copy, so this never synchronises.
     """
     if isinstance(scale, torch.Tensor):
+        if scale.dim() == 0 and scale.dtype == torch.float32 and scale.device == device:
+            return scale  # the usual case (cached and per-step scales): no view, no dispatch
         if scale.numel() != 1:
             raise ValueError(f"a tensorwise scale must hold one value, got shape {tuple(scale.shape)}")
         return scale.reshape(()).to(device=device, dtype=torch.float32)

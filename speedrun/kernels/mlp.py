@@ -82,7 +82,7 @@ from speedrun.kernels.fp8_cache import (
     sm_count,
     triton_usable,
 )
-from speedrun.kernels.fp8_ops import scaled_mm  # torch._scaled_mm on sm89+, exact fp32 emulation elsewhere
+from speedrun.kernels.fp8_ops import cuda_capability, scaled_mm  # torch._scaled_mm on sm89+, exact fp32 emulation elsewhere
 from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
 
@@ -317,7 +317,7 @@ EPILOGUE_CONFIG = (64, 128, 8)  # BLOCK_M, BLOCK_N, num_warps of the split path'
 def _use_tma(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not (USE_TMA and a.is_cuda and not interpreting()):
         return False
-    if torch.cuda.get_device_capability(a.device)[0] < 9:
+    if cuda_capability(a.device)[0] < 9:
         return False
     return all(t.stride(1) == 1 and t.stride(0) == t.shape[1] and t.data_ptr() % 16 == 0 for t in (a, b))
 
