@@ -64,7 +64,7 @@ for part in $parts; do
       # BENCH_ARMS: space-separated NAME=PRESET[:overrides], e.g. add
       # "candfwd=candidate:model.kernels=fp8_fwd" (the candidate with the record's MLP precision).
       # BENCH_STEPS: timed steps per arm (default 20; host-bound stage-1 steps need more).
-      # HOST_STEPS (default 5): host-timed steps per arm (GPU preloaded); SYNC_SCAN=0 skips the scan.
+      # HOST_STEPS (default 5): steps per arm traced phase by phase (host, GPU, lead); SYNC_SCAN=0 skips the scan.
       BENCH_ARMS=${BENCH_ARMS:-base=record cand=candidate}
       log "bench step, interleaved: $BENCH_ARMS"
       arms=""; for a in $BENCH_ARMS; do arms="$arms --arm $a"; done

@@ -259,6 +259,8 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
         raise ConfigError("bench step needs at least one arm")
     if steps < 2 or warmup < 0:
         raise ConfigError(f"--steps must be >= 2 and --warmup >= 0, got {steps} and {warmup}")
+    if host_steps < 0:
+        raise ConfigError(f"--host-steps must be >= 0, got {host_steps}")
     configs = _as_configs(arms, common)
     devices = {cfg.train.device for _, cfg, _ in configs}
     if len(devices) > 1:
@@ -299,8 +301,6 @@ def _host_side(sessions: Sequence[Session], info, host_steps: int, sync_scan: bo
     """Fill each session's ``host_steps`` (traced steps) and ``syncs`` (see :func:`bench_step`)."""
     from speedrun.evidence.host import find_syncs, trace_step
 
-    if host_steps < 0:
-        raise ConfigError(f"--host-steps must be >= 0, got {host_steps}")
     for _ in range(host_steps):
         for s in sessions:
             s.host_steps.append(trace_step(s.step, info.device))
@@ -433,8 +433,6 @@ def cli_bench_step(args) -> int:
     if args.steps < MIN_STEPS:
         raise ConfigError(f"--steps must be >= {MIN_STEPS} (the median and its confidence interval need them), "
                           f"got {args.steps}")
-    if args.host_steps < 0:
-        raise ConfigError(f"--host-steps must be >= 0, got {args.host_steps}")
     arms = parse_arms(args.arm)
     common = data_overrides(args.data, args.val_data) + (["train.device=" + args.device] if args.device else []) \
         + list(args.overrides)

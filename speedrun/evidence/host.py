@@ -41,13 +41,12 @@ _OWN_FILE = __file__.replace("\\", "/")
 class PhaseTiming:
     """One phase of one step, summed over its occurrences (one per micro-batch for the micro-batch
     phases).  host_ms: host issue time; gpu_ms: GPU time between the phase's events (None off
-    CUDA); lead_min_ms / lead_median_ms: over the occurrences, how long after the host issued the
+    CUDA); lead_min_ms: the least, over the occurrences, of how long after the host issued the
     phase's end the GPU reached it (None off CUDA)."""
 
     host_ms: float
     gpu_ms: float | None = None
     lead_min_ms: float | None = None
-    lead_median_ms: float | None = None
     count: int = 1
 
 
@@ -97,7 +96,6 @@ class PhaseRecorder:
                 host_ms=float(sum(a["host"])),
                 gpu_ms=float(sum(a["gpu"])) if a["gpu"] else None,
                 lead_min_ms=float(min(a["lead"])) if a["lead"] else None,
-                lead_median_ms=float(np.median(a["lead"])) if a["lead"] else None,
                 count=len(a["host"]),
             )
         return out
