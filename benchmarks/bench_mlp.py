@@ -172,16 +172,19 @@ def main(argv=None) -> int:
     import statistics
 
     def ab(name, make, flop, rounds=7):
-        times = {"fused": [], "split": []}
+        # "tma" (epilogue through TMA) runs as "fused" where it cannot (transposed FP8 output)
+        impls = M.GEMM_IMPLS
+        times = {impl: [] for impl in impls}
         for _ in range(rounds):
-            for impl in ("fused", "split"):
+            for impl in impls:
                 times[impl].append(_bench(make(impl), rep_ms=60))
         med = {k: statistics.median(v) for k, v in times.items()}
-        for impl in ("fused", "split"):
+        for impl in impls:
             rows.append({"group": "split", "name": f"{name} [{impl}]", "ms": med[impl], "tflops": _tflops(flop, med[impl]),
                          "range_ms": [min(times[impl]), max(times[impl])]})
         res.setdefault("split_vs_fused", {})[name] = {"fused_ms": med["fused"], "split_ms": med["split"],
-                                                       "ratio": med["split"] / med["fused"], "times": times}
+                                                       "tma_ms": med["tma"], "ratio": med["split"] / med["fused"],
+                                                       "tma_ratio": med["tma"] / med["fused"], "times": times}
 
     ab("up fp8 e4m3 both layouts", lambda impl: lambda: M.relu2_gemm(
         xq, w1q, a_scale=xs, b_scale=w1s, store_out=False, q_dtype=E4M3, q_scale=ps, emit_transposed=True, amax=amax,
@@ -192,6 +195,8 @@ def main(argv=None) -> int:
         gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, store_out=False, q_dtype=E5M2, q_scale=ds,
         emit_transposed=True, amax=amax, impl=impl), gemm_flop)
     ab("up bf16", lambda impl: lambda: M.relu2_gemm(x, w1, impl=impl), gemm_flop)
+    w2_hd = w2.t().contiguous()  # the record's bank layout: K-major for the dpre GEMM, TMA-ready
+    ab("dpre bf16 (record backward)", lambda impl: lambda: M.relu2_gemm(g, w2_hd, aux=post, impl=impl), gemm_flop)
 
     # The split route's epilogue pass against its byte floor, per block configuration: its time is
     # (split call) - (the cuBLAS GEMM alone to bf16); bytes = read the bf16 GEMM output (2 MN), read
@@ -281,13 +286,13 @@ def main(argv=None) -> int:
         (torch.relu(xr @ w1r.t()).square() @ w2r.t()).backward(g)
 
     mlp_ms["torch_bf16"] = rec("mlp", "fwd+bwd plain torch bf16 autograd", torch_step, 6 * gemm_flop)
-    # Interleaved rounds: GEMM_IMPL for every relu2_gemm ("fused", "split") and the module's
+    # Interleaved rounds: GEMM_IMPL for every relu2_gemm ("fused", "tma", "split") and the module's
     # per-case default ("default": a choice per direction and dtype).  Then the host (Python +
     # launch) time of one call, measured while the GPU is held busy so nothing waits on it: a
     # call whose host time is near its GPU time is launch-bound wherever it runs eagerly (the
     # compiled network calls these kernels as opaque ops, i.e. eagerly).
     saved_impl = M.GEMM_IMPL
-    impls = {"fused": "fused", "split": "split", "default": saved_impl}
+    impls = {"fused": "fused", "tma": "tma", "split": "split", "default": saved_impl}
     host_ms = {}
     for mode in ("fp8_fwd", "fp8_full"):
         xr, w1r, w2r = (t.clone().requires_grad_() for t in (x, w1, w2))
@@ -342,29 +347,34 @@ def main(argv=None) -> int:
             ("fp8_fwd", "up out+q (record)", lambda: M.relu2_gemm(xq, w1q, a_scale=xs, b_scale=w1s, q_dtype=E4M3, q_scale=ps, amax=amax)),
             ("fp8", "dpre q+qt", lambda: M.relu2_gemm(gq, w2qt, aux=pq, aux_scale=ps, a_scale=gs, b_scale=w2s, store_out=False, q_dtype=E5M2, q_scale=ds, emit_transposed=True, amax=amax)),
         )
-        saved = (dict(M.GPU_CONFIGS), dict(M.TMA_CONFIGS), M.USE_TMA, M.TMA_FLATTEN)
+        # routes: the pointer kernel (GPU_CONFIGS), TMA loads + pointer epilogue (impl "fused",
+        # TMA_CONFIGS), TMA loads + TMA epilogue (impl "tma", TMA_STORE_CONFIGS)
+        saved = (dict(M.GPU_CONFIGS), dict(M.TMA_CONFIGS), dict(M.TMA_STORE_CONFIGS), M.USE_TMA, M.TMA_FLATTEN,
+                 M.GEMM_IMPL)
+        routes = (("pointer", False, True), ("tma-load", True, True), ("tma-load", True, False),
+                  ("tma-epilogue", True, True))
         for kind, what, fn in kernels:
-            for use_tma, flatten in ((False, True), (True, True), (True, False)):
+            for route, use_tma, flatten in routes:
                 if (use_tma and what.startswith("dpre (pointer")) or (kind == "fp8_fwd" and not use_tma):
                     continue
+                table = {"pointer": M.GPU_CONFIGS, "tma-load": M.TMA_CONFIGS, "tma-epilogue": M.TMA_STORE_CONFIGS}[route]
                 for c in cands:
                     if kind == "bf16" and c[2] == 128 and c[1] == 256:
                         continue
                     M.USE_TMA, M.TMA_FLATTEN = use_tma, flatten
-                    if use_tma:
-                        M.TMA_CONFIGS[kind] = c
-                        M.TMA_CONFIGS.pop(kind + "_fwd", None)
-                    else:
-                        M.GPU_CONFIGS[kind] = c
+                    M.GEMM_IMPL = "tma" if route == "tma-epilogue" else "fused"
+                    base_kind = "fp8" if kind == "fp8_fwd" else kind
+                    table[base_kind] = c
+                    table.pop(base_kind + "_fwd", None)
                     try:
                         ms = _bench(fn, rep_ms=100)
-                        sweep.append({"kernel": f"{kind} {what}", "tma": use_tma, "flatten": flatten, "config": list(c), "ms": ms, "tflops": _tflops(gemm_flop, ms)})
+                        sweep.append({"kernel": f"{kind} {what}", "route": route, "flatten": flatten, "config": list(c), "ms": ms, "tflops": _tflops(gemm_flop, ms)})
                     except Exception as e:  # out of shared memory etc.
-                        sweep.append({"kernel": f"{kind} {what}", "tma": use_tma, "flatten": flatten, "config": list(c), "error": type(e).__name__})
-                    M.GPU_CONFIGS.update(saved[0])
-                    M.TMA_CONFIGS.clear()
-                    M.TMA_CONFIGS.update(saved[1])
-                    M.USE_TMA, M.TMA_FLATTEN = saved[2], saved[3]
+                        sweep.append({"kernel": f"{kind} {what}", "route": route, "flatten": flatten, "config": list(c), "error": type(e).__name__})
+                    for t_, orig in zip((M.GPU_CONFIGS, M.TMA_CONFIGS, M.TMA_STORE_CONFIGS), saved[:3]):
+                        t_.clear()
+                        t_.update(orig)
+                    M.USE_TMA, M.TMA_FLATTEN, M.GEMM_IMPL = saved[3], saved[4], saved[5]
         import speedrun.kernels.fp8_cache as FC
 
         saved_q = FC.QUANT_CONFIG
@@ -394,8 +404,10 @@ def main(argv=None) -> int:
         print(f"{k}: FP8 route {v['fp8_route_ms']:.3f} ms vs bf16 route {v['bf16_route_ms']:.3f} ms "
               f"-> {'FP8' if v['fp8_wins'] else 'keep bf16'}   ({parts})")
     for k, v in res["split_vs_fused"].items():
-        print(f"split/fused {k}: {v['split_ms']:.3f} / {v['fused_ms']:.3f} ms = {v['ratio']:.3f} "
-              f"(medians of 7 interleaved rounds; fused range {min(v['times']['fused']):.3f}-{max(v['times']['fused']):.3f})")
+        print(f"{k}: fused {v['fused_ms']:.3f}, tma {v['tma_ms']:.3f} (x{v['tma_ratio']:.3f}), split {v['split_ms']:.3f} ms "
+              f"(x{v['ratio']:.3f}) (medians of 7 interleaved rounds; fused range "
+              f"{min(v['times']['fused']):.3f}-{max(v['times']['fused']):.3f}, tma range "
+              f"{min(v['times']['tma']):.3f}-{max(v['times']['tma']):.3f})")
     if args.sweep:
         for s_ in res["sweep"]:
             print(s_)

@@ -37,8 +37,10 @@ for part in $parts; do
     tests)
       log "GPU tests"
       # TESTS_PATHS: which test files or folders (default: all of tests/); TESTS_ARGS: extra pytest arguments
+      # (split at spaces); TESTS_K: a -k expression, passed whole ("a or b")
       # (the whole output goes to gpu_tests.txt; the call's screen gets its last 25 lines)
-      timeout "$(left ${TESTS_S:-400})" python3 -m pytest -q -m gpu ${TESTS_PATHS:-tests} ${TESTS_ARGS:-} > "$OUT/gpu_tests.txt" 2>&1
+      timeout "$(left ${TESTS_S:-400})" python3 -m pytest -q -m gpu ${TESTS_PATHS:-tests} ${TESTS_ARGS:-} \
+        ${TESTS_K:+-k "$TESTS_K"} > "$OUT/gpu_tests.txt" 2>&1
       tail -25 "$OUT/gpu_tests.txt" ;;
     doctor)
       log doctor
@@ -65,12 +67,13 @@ for part in $parts; do
       # "candfwd=candidate:model.kernels=fp8_fwd" (the candidate with the record's MLP precision).
       # BENCH_STEPS: timed steps per arm (default 20; host-bound stage-1 steps need more).
       # HOST_STEPS (default 5): steps per arm traced phase by phase (host, GPU, lead); SYNC_SCAN=0 skips the scan.
+      # CHAIN (default 1): steps back to back per timed sample (--chain; >1 is comparable with upstream's logs).
       BENCH_ARMS=${BENCH_ARMS:-base=record cand=candidate}
       log "bench step, interleaved: $BENCH_ARMS"
       arms=""; for a in $BENCH_ARMS; do arms="$arms --arm $a"; done
       for stage in ${STAGES:-0 1 2}; do
         timeout "$(left 550)" python3 -m speedrun bench step $arms --stage $stage \
-          --steps "${BENCH_STEPS:-20}" --warmup 3 --set train.max_docs=256 --host-steps "${HOST_STEPS:-5}" \
+          --steps "${BENCH_STEPS:-20}" --warmup 3 --set train.max_docs=256 --host-steps "${HOST_STEPS:-5}" --chain "${CHAIN:-1}" \
           $([ "${SYNC_SCAN:-1}" = 1 ] && echo --sync-scan) \
           --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --json "$OUT/bench_step_stage$stage.json" 2>&1 | tail -12
       done ;;

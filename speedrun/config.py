@@ -194,6 +194,11 @@ class TrainConfig:
     # handle after the first launch of each specialisation (speedrun.kernels.launch; ~10 us
     # instead of 20-42 us per launch on the H200), "plain" = kernel[grid](...) every time (an A/B arm)
     triton_launch: str = "cached"
+    # Route of the ReLU² MLP's fused GEMMs (speedrun.kernels.mlp.relu2_gemm; process-wide):
+    # "auto" = the kernel module's choice per direction and dtype (measured on the H200), or one
+    # of "fused" (pointer-store epilogue), "tma" (epilogue through TMA), "split" (cuBLAS GEMM,
+    # then a Triton epilogue pass) for every call: an A/B arm
+    mlp_gemm: str = "auto"
     preflight: bool = False  # run `speedrun doctor` checks first and refuse a broken environment
     sample_tokens: int = 200
     sample_prompt: str = "The "

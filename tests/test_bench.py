@@ -128,6 +128,42 @@ def test_step_memory_accounting_with_a_stand_in_meter(monkeypatch):
         {"resident_mib": 1.0, "step_peak_mib": 2.0, "peak_mib": 3.0}
 
 
+def test_chained_samples_time_k_steps_back_to_back(monkeypatch):
+    """--chain K: one sample = K steps issued without a sync between them, reported as their
+    mean; the synchronisation happens once per sample (before it), not per step."""
+    from types import SimpleNamespace
+
+    from speedrun.evidence import bench
+
+    log = []
+
+    class FakeEvent:
+        def __init__(self, **kw):
+            pass
+
+        def record(self):
+            log.append("event")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 12.0
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: log.append("sync"))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    sess = SimpleNamespace(info=SimpleNamespace(device=torch.device("cuda")), step=lambda: log.append("step"),
+                           step_peak_bytes=0)
+    assert bench.time_step(sess, chain=3) == 4.0
+    assert log == ["sync", "event", "step", "step", "step", "event"]
+    log.clear()
+    assert bench.time_step(sess) == 12.0 and log.count("step") == 1
+    cpu = SimpleNamespace(info=SimpleNamespace(device=torch.device("cpu")), step=lambda: log.append("cpu"))
+    log.clear()
+    bench.time_step(cpu, chain=4)
+    assert log == ["cpu"] * 4
+
+
 def test_bench_stage_selection_and_errors(tmp_path, capsys):
     out = tmp_path / "b.json"
     stages = "train.stages=[[0, 512, 64, 32, 32], [5, 1024, 128, 64, 64]]"
@@ -142,6 +178,8 @@ def test_bench_stage_selection_and_errors(tmp_path, capsys):
     assert "out of range" in capsys.readouterr().err
     assert main(["bench", "step", "--arm", "a=tiny", "--steps", "5"]) == 2
     assert ">= 20" in capsys.readouterr().err
+    assert main(args + ["--chain", "0"]) == 2
+    assert "--chain must be >= 1" in capsys.readouterr().err
     assert main(args[:4] + ["--stage", "0"] + args[6:] + ["--set", "train.triton_launch=fast"]) == 2
     assert "train.triton_launch must be one of cached, plain" in capsys.readouterr().err
 

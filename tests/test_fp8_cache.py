@@ -386,6 +386,10 @@ def test_cuda_capability_is_asked_once_per_device(monkeypatch):
             assert fp8_ops.cuda_capability(torch.device("cuda", 0)) == (9, 0)
         assert fp8_ops.cuda_capability(torch.device("cuda", 1)) == (9, 0)
         assert asked == [0, 1]
+        # while torch.compile traces, the query goes straight to torch (a constant to Dynamo)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert fp8_ops.cuda_capability(torch.device("cuda", 0)) == (9, 0)
+        assert asked == [0, 1, 0] and fp8_ops._capability_of.cache_info().currsize == 2
     finally:
         fp8_ops._capability_of.cache_clear()
 

@@ -53,7 +53,7 @@ def inputs(seed, t=T, d=D, h=H):
 
 @needs_kernel
 @pytest.mark.parametrize("t,d", [(64, 64), (40, 48)])  # (40, 48): ragged M tile and K not a multiple of BLOCK_K
-@pytest.mark.parametrize("impl", ["fused", "split"])
+@pytest.mark.parametrize("impl", ["fused", "tma", "split"])
 def test_gemm_forward_bf16(t, d, impl):
     x, w1, _, _ = inputs(1, t, d)
     r = relu2_gemm(x, w1, out=nan_like((t, H), torch.bfloat16), impl=impl)
@@ -63,7 +63,7 @@ def test_gemm_forward_bf16(t, d, impl):
 
 
 @needs_kernel
-@pytest.mark.parametrize("impl", ["fused", "split"])
+@pytest.mark.parametrize("impl", ["fused", "tma", "split"])
 def test_gemm_forward_fp8_emits_both_layouts_and_amax(impl):
     x, w1, _, _ = inputs(2)
     xq, _, xs = quantize_current(x, transposed=False)
@@ -84,7 +84,7 @@ def test_gemm_forward_fp8_emits_both_layouts_and_amax(impl):
 
 
 @needs_kernel
-@pytest.mark.parametrize("impl", ["fused", "split"])
+@pytest.mark.parametrize("impl", ["fused", "tma", "split"])
 def test_gemm_backward_bf16_rebuilds_relu_from_post(impl):
     x, w1, w2, gy = inputs(3)
     post = relu2_gemm_reference(x, w1).out
@@ -97,7 +97,7 @@ def test_gemm_backward_bf16_rebuilds_relu_from_post(impl):
 
 
 @needs_kernel
-@pytest.mark.parametrize("impl", ["fused", "split"])
+@pytest.mark.parametrize("impl", ["fused", "tma", "split"])
 def test_gemm_backward_fp8_e5m2_both_layouts(impl):
     x, w1, w2, gy = inputs(4)
     post = relu2_gemm_reference(x, w1).out
@@ -114,6 +114,90 @@ def test_gemm_backward_fp8_e5m2_both_layouts(impl):
     assert rel(r.q, rr.q) < 3e-2
     assert torch.equal(r.qt.view(torch.uint8), r.q.t().contiguous().view(torch.uint8))
     assert rel(r.q.float() * ds, dref) < 0.12
+
+
+@pytest.fixture
+def tma_store_launches(monkeypatch):
+    """Counts launches of the TMA-epilogue kernel (impl="tma" may fall back to "fused")."""
+    from speedrun.kernels import mlp
+
+    calls = []
+    real = mlp._launch_tma_store
+    monkeypatch.setattr(mlp, "_launch_tma_store", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    return calls
+
+
+@needs_kernel
+def test_tma_epilogue_equals_the_pointer_epilogue_bitwise(tma_store_launches):
+    """impl="tma" (descriptor loads of post, descriptor stores in half tiles, one amax atomic per
+    program) computes exactly what the pointer epilogue computes: same bytes in every output,
+    all of them written (outputs poisoned), same amax.  Ragged M (40 rows) and K (48) included."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(40, 48, generator=g).bfloat16().to(DEV)
+    w1 = (torch.randn(H, 48, generator=g) / 7).bfloat16().to(DEV)
+    outs = {impl: relu2_gemm(x, w1, out=nan_like((40, H), torch.bfloat16), impl=impl).out for impl in ("fused", "tma")}
+    assert torch.equal(outs["fused"], outs["tma"])
+
+    x, w1, w2, gy = inputs(12)
+    xq, _, xs = quantize_current(x, transposed=False)
+    wq, _, ws = quantize_current(w1, transposed=False)
+    qs = relu2_gemm_reference(xq, wq, a_scale=xs, b_scale=ws).out.float().amax() * 0.7 / 448  # some saturate
+    fwd = {}
+    for impl in ("fused", "tma"):
+        r = relu2_gemm(xq, wq, a_scale=xs, b_scale=ws, q_dtype=E4M3, q_scale=qs, amax=torch.zeros((), device=DEV),
+                       out=nan_like((T, H), torch.bfloat16), out_q=nan_like((T, H), E4M3), impl=impl)
+        fwd[impl] = r
+    assert torch.equal(fwd["fused"].out, fwd["tma"].out)
+    assert torch.equal(fwd["fused"].q.view(torch.uint8), fwd["tma"].q.view(torch.uint8))
+    assert torch.equal(fwd["fused"].amax, fwd["tma"].amax) and fwd["tma"].amax > 0
+
+    post, pq = fwd["fused"].out, fwd["fused"].q
+    w2_hd = w2.t().contiguous()  # (H, D): the K-major layout the record's bank gives the dpre GEMM
+    bwd = {impl: relu2_gemm(gy, w2_hd, aux=post, out=nan_like((T, H), torch.bfloat16), impl=impl).out
+           for impl in ("fused", "tma")}
+    assert torch.equal(bwd["fused"], bwd["tma"])
+
+    gq, _, gs = quantize_current(gy, fp8_dtype=E5M2, transposed=False)
+    w2q, _, w2s = quantize_current(w2_hd, transposed=False)
+    ds = bwd["fused"].float().abs().amax() * 2 / 57344
+    fp8_bwd = {impl: relu2_gemm(gq, w2q, aux=pq, aux_scale=qs, a_scale=gs, b_scale=w2s, store_out=False, q_dtype=E5M2,
+                                q_scale=ds, amax=torch.zeros((), device=DEV), out_q=nan_like((T, H), E5M2), impl=impl)
+               for impl in ("fused", "tma")}
+    assert torch.equal(fp8_bwd["fused"].q.view(torch.uint8), fp8_bwd["tma"].q.view(torch.uint8))
+    assert torch.equal(fp8_bwd["fused"].amax, fp8_bwd["tma"].amax)
+
+    # fp8_full: post only as e4m3 in both layouts (forward), dpre as e5m2 in both (backward)
+    both = {impl: relu2_gemm(xq, wq, a_scale=xs, b_scale=ws, store_out=False, q_dtype=E4M3, q_scale=qs,
+                             emit_transposed=True, amax=torch.zeros((), device=DEV), out_q=nan_like((T, H), E4M3),
+                             out_qt=nan_like((H, T), E4M3), impl=impl) for impl in ("fused", "tma")}
+    both_bwd = {impl: relu2_gemm(gq, w2q, aux=pq, aux_scale=qs, a_scale=gs, b_scale=w2s, store_out=False,
+                                 q_dtype=E5M2, q_scale=ds, emit_transposed=True, amax=torch.zeros((), device=DEV),
+                                 out_q=nan_like((T, H), E5M2), out_qt=nan_like((H, T), E5M2), impl=impl)
+                for impl in ("fused", "tma")}
+    for r in (both, both_bwd):
+        assert torch.equal(r["fused"].q.view(torch.uint8), r["tma"].q.view(torch.uint8))
+        assert torch.equal(r["fused"].qt.view(torch.uint8), r["tma"].qt.view(torch.uint8))
+        assert torch.equal(r["tma"].qt.view(torch.uint8), r["tma"].q.t().contiguous().view(torch.uint8))
+        assert torch.equal(r["fused"].amax, r["tma"].amax)
+    assert len(tma_store_launches) == 6
+
+
+@needs_kernel
+def test_tma_epilogue_falls_back_where_tma_cannot_store(tma_store_launches):
+    """An output TMA cannot address (transposed rows of 40 bytes: not a multiple of 16) or an
+    operand that is not K-major runs the pointer epilogue under impl="tma", same result."""
+    x, w1, w2, gy = inputs(13)
+    xq = (x[:40] * 4).to(E4M3)
+    wq, _, ws = quantize_current(w1, transposed=False)
+    one = torch.tensor(0.25, device=DEV)
+    kw = dict(a_scale=one, b_scale=ws, q_dtype=E4M3, q_scale=torch.tensor(0.05, device=DEV), emit_transposed=True)
+    r = relu2_gemm(xq, wq, amax=torch.zeros((), device=DEV), impl="tma", **kw)
+    rf = relu2_gemm(xq, wq, amax=torch.zeros((), device=DEV), impl="fused", **kw)
+    assert torch.equal(r.qt.view(torch.uint8), rf.qt.view(torch.uint8))
+    post = relu2_gemm_reference(x, w1).out
+    r = relu2_gemm(gy, w2.t(), aux=post, impl="tma")  # w2.t(): strided, not TMA-ready
+    assert torch.equal(r.out, relu2_gemm(gy, w2.t(), aux=post, impl="fused").out)
+    assert tma_store_launches == []
 
 
 def test_gemm_rejects_bad_shapes_and_dtypes():
@@ -248,6 +332,29 @@ def test_default_gemm_impl_per_direction_and_dtype(monkeypatch):
     assert mlp.default_gemm_impl(forward=True, fp8=True) == "fused"
     monkeypatch.setattr(mlp, "GEMM_IMPL", "split")
     assert mlp.default_gemm_impl(forward=True, fp8=False) == "split"
+
+
+def test_train_mlp_gemm_sets_the_route_per_arm(monkeypatch):
+    """train.mlp_gemm: one route for every relu2_gemm call, or "auto" back to the per-case
+    default (bench arms in one process re-apply it before each step); bad names refused."""
+    from speedrun.config import preset
+    from speedrun.errors import ConfigError
+    from speedrun.kernels import mlp
+    from speedrun.train.loop import configure_kernel_launch
+
+    monkeypatch.setattr(mlp, "GEMM_IMPL", mlp.DEFAULT_GEMM_IMPL)
+    cfg = preset("tiny")
+    cfg.train.mlp_gemm = "fused"
+    configure_kernel_launch(cfg)
+    assert mlp.default_gemm_impl(forward=True, fp8=True) == mlp.default_gemm_impl(forward=False, fp8=True) == "fused"
+    cfg.train.mlp_gemm = "auto"
+    configure_kernel_launch(cfg)
+    assert mlp.GEMM_IMPL is mlp.DEFAULT_GEMM_IMPL
+    assert mlp.default_gemm_impl(forward=False, fp8=True) == "split"
+    assert mlp.default_gemm_impl(forward=True, fp8=True) == "tma"
+    cfg.train.mlp_gemm = "cublas"
+    with pytest.raises(ConfigError, match="train.mlp_gemm must be one of auto, fused, tma, split"):
+        configure_kernel_launch(cfg)
 
 
 @needs_kernel

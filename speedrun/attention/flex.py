@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from speedrun.attention import check_inputs
+from speedrun.compiling import allow_schedule_variants
 
 
 def flex_problem(device: torch.device) -> str | None:
@@ -34,9 +35,8 @@ def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     # Each (T, H, window) combination is its own compiled variant: a staged schedule with paired
-    # layers needs a few dozen, more than dynamo's default limit of 8 (the record also uses 64).
-    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
+    # layers needs a few dozen, more than dynamo's default limit of 8.
+    allow_schedule_variants()
     return torch.compile(flex_attention, dynamic=False)
 
 

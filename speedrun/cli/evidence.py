@@ -118,7 +118,9 @@ maximum over ranks.
 Is the step host-bound?  --host-steps N traces N more steps per arm: for each phase (setup,
 data, forward, backward, optimizer...) the host's time to issue it, the GPU's time for it (CUDA
 events at the phase ends) and the lead, how long after the host issued the phase's end the GPU
-got there.  A lead near 0 means the GPU was waiting for Python at that point.  --sync-scan runs
+got there.  A lead near 0 means the GPU was waiting for Python at that point.  --chain K times
+K steps back to back per sample (their mean): no idle GPU at each step's start, comparable with
+step times a training run logs without synchronizing (upstream's).  --sync-scan runs
 one more step under torch's sync debug mode and names the lines that make the host wait for the
 GPU (a .item(), torch.tensor(list, device="cuda"), t[idx] = True: blocking copies).
 
@@ -197,6 +199,10 @@ def _add_bench(sub) -> None:
     p.add_argument("--host-steps", type=int, default=0, metavar="N",
                    help="N more steps per arm traced phase by phase: host issue time, GPU time and how "
                         "far the GPU trails the host (default 0; 5 is enough)")
+    p.add_argument("--chain", type=int, default=1, metavar="K",
+                   help="steps issued back to back per timed sample, reported as their mean (default 1: "
+                        "each step timed alone from an idle GPU; K > 1 lets the host run ahead into the "
+                        "next step as a training run does, the way upstream's logged step times are taken)")
     p.add_argument("--sync-scan", action="store_true",
                    help="one more step per arm under torch's sync debug mode: list the calls that "
                         "synchronise with the GPU, with our code's lines (CUDA)")

@@ -7,7 +7,9 @@ are timed interleaved, ``A B C A B C ...``, so slow drifts of the node (clocks, 
 hit every arm alike.  A step is timed from an idle device: synchronize, record a CUDA event, run
 :func:`~speedrun.train.loop.run_step` (all ``grad_accum`` micro-batches, the gradient
 all-reduce and the optimizer update of the run's recipe), record a second event, synchronize.  On the CPU the step is
-timed with ``time.perf_counter``.  Under torchrun every rank times its steps and a step's time is
+timed with ``time.perf_counter``.  ``chain`` K > 1 issues K steps back to back per sample and
+reports their mean, the host free to run ahead into the next step as in a training run that does
+not synchronize per step.  Under torchrun every rank times its steps and a step's time is
 the maximum over ranks (the slowest rank sets the pace).
 
 Reported per arm: median, quartiles and IQR of the step time (ms), global tokens per second at
@@ -154,9 +156,16 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
 
 
-def time_step(session: Session, meter: MemoryMeter | None = None) -> float:
-    """Milliseconds of one optimizer step of ``session``, started from an idle device; with a
-    ``meter``, also updates ``session.step_peak_bytes``."""
+def time_step(session: Session, meter: MemoryMeter | None = None, chain: int = 1) -> float:
+    """Milliseconds per optimizer step of ``session``: ``chain`` steps issued back to back from an
+    idle device, their total time divided by ``chain``; with a ``meter``, also updates
+    ``session.step_peak_bytes``.
+
+    ``chain`` 1 times a step alone: it includes the bubble at the step's start, while the GPU
+    waits for the host to issue the first kernels.  With ``chain`` > 1 the host issues step
+    i + 1 while the GPU still runs step i, as in a training run that logs without synchronizing
+    (upstream's per-step ``train_time`` is measured that way), so only the first step's bubble
+    is in the sample, shared by ``chain`` steps."""
     device = session.info.device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -165,15 +174,17 @@ def time_step(session: Session, meter: MemoryMeter | None = None) -> float:
             meter.reset_peak()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        session.step()
+        for _ in range(chain):
+            session.step()
         end.record()
         end.synchronize()
         if meter is not None:
             session.step_peak_bytes = max(session.step_peak_bytes, meter.peak() - at_start)
-        return float(start.elapsed_time(end))
+        return float(start.elapsed_time(end)) / chain
     t0 = time.perf_counter()
-    session.step()
-    return (time.perf_counter() - t0) * 1000.0
+    for _ in range(chain):
+        session.step()
+    return (time.perf_counter() - t0) * 1000.0 / chain
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,8 +253,12 @@ def _gather_max(times: list[float], info) -> list[float]:
 
 def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 0, steps: int = MIN_STEPS,
                warmup: int = 3, common: Sequence[str] = (), seed: int = 0, n_boot: int = 2000,
-               progress: bool = False, host_steps: int = 0, sync_scan: bool = False) -> dict[str, Any]:
+               progress: bool = False, host_steps: int = 0, sync_scan: bool = False,
+               chain: int = 1) -> dict[str, Any]:
     """Time ``steps`` optimizer steps per arm, interleaved, after ``warmup`` untimed steps each.
+
+    ``chain``: steps issued back to back per timed sample (see :func:`time_step`); a sample is
+    their mean, so each arm runs ``steps x chain`` timed steps.
 
     ``arms``: ArmSpecs (``common`` overrides are applied to each before its own) or
     ``(name, RunConfig)`` pairs; the first arm is the baseline of the ratios.  ``stage`` indexes
@@ -261,6 +276,8 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
         raise ConfigError(f"--steps must be >= 2 and --warmup >= 0, got {steps} and {warmup}")
     if host_steps < 0:
         raise ConfigError(f"--host-steps must be >= 0, got {host_steps}")
+    if chain < 1:
+        raise ConfigError(f"--chain must be >= 1, got {chain}")
     configs = _as_configs(arms, common)
     devices = {cfg.train.device for _, cfg, _ in configs}
     if len(devices) > 1:
@@ -281,7 +298,7 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
             s.resident_bytes += meter.allocated() - before  # optimizer state, FP8 caches, grads kept
         for rep in range(steps):
             for s in sessions:
-                s.times_ms.append(time_step(s, meter))
+                s.times_ms.append(time_step(s, meter, chain))
             if progress and info.is_main and (rep + 1) % 10 == 0:
                 print(f"  {rep + 1}/{steps} repetitions", flush=True)
         times = {s.name: _gather_max(s.times_ms, info) for s in sessions}
@@ -290,7 +307,7 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
         for s in sessions:
             s.close()
     distributed.teardown()
-    result = _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info)
+    result = _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info, chain)
     del sessions
     if info.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -309,7 +326,7 @@ def _host_side(sessions: Sequence[Session], info, host_steps: int, sync_scan: bo
             s.syncs = find_syncs(s.step, info.device)
 
 
-def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info) -> dict[str, Any]:
+def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info, chain=1) -> dict[str, Any]:
     from speedrun.evidence.fingerprint import node_fingerprint
     from speedrun.train.loop import grad_accum_steps
 
@@ -351,7 +368,10 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
         "warmup": warmup,
         "device": str(info.device),
         "world_size": info.world_size,
-        "timing": "cuda events, synchronized per step" if info.device.type == "cuda" else "perf_counter",
+        "chain": chain,
+        "timing": ("cuda events" if info.device.type == "cuda" else "perf_counter")
+        + (", synchronized per step" if chain == 1 else f", {chain} steps back to back per sample (mean), "
+           "synchronized between samples"),
         "order": "interleaved: " + " ".join(s.name for s in sessions) + " ...",
         "arms": out_arms,
         "warnings": warnings,
@@ -437,7 +457,8 @@ def cli_bench_step(args) -> int:
     common = data_overrides(args.data, args.val_data) + (["train.device=" + args.device] if args.device else []) \
         + list(args.overrides)
     result = bench_step(arms, stage=args.stage, steps=args.steps, warmup=args.warmup, common=common,
-                        seed=args.seed, progress=True, host_steps=args.host_steps, sync_scan=args.sync_scan)
+                        seed=args.seed, progress=True, host_steps=args.host_steps, sync_scan=args.sync_scan,
+                        chain=args.chain)
     if result["fingerprint"] is None:  # not rank 0
         return 0
     print(render_table(result), end="")

@@ -38,8 +38,13 @@ def fp8_supported(device: torch.device | str | None) -> bool:
 
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) compute capability of a CUDA ``device``, asked once per device: the query
-    costs ~40 us of host time and the launchers ask on every call (hundreds per step)."""
-    return _capability_of(torch.cuda.current_device() if device.index is None else device.index)
+    costs ~40 us of host time and the launchers ask on every call (hundreds per step).  Under
+    ``torch.compile`` the query is asked directly: Dynamo folds it to a constant, while tracing
+    into an ``lru_cache`` makes it warn that the cache is bypassed."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if torch.compiler.is_compiling():
+        return tuple(torch.cuda.get_device_capability(index))
+    return _capability_of(index)
 
 
 @functools.lru_cache(maxsize=None)

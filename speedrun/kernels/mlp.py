@@ -44,7 +44,10 @@ calibrates from its own amax (one extra GEMM).
 Kernels.  One fused GEMM, :func:`relu2_gemm`, in two variants behind one dispatcher: a plain
 pointer-load kernel (any strides; runs in the CPU interpreter, ``TRITON_INTERPRET=1``, at small
 shapes) and, on sm90 with K-major contiguous operands, a persistent TMA-descriptor kernel
-(``USE_TMA``); both share one epilogue.  A third route, ``impl="split"`` (the module default
+(``USE_TMA``); both share one epilogue.  ``impl="tma"`` (the default except for the FP8 dpre) adds
+a persistent kernel whose epilogue also goes through TMA (``post`` loaded, outputs stored by
+descriptor in half tiles, the transposed FP8 layout as transposed boxes; it runs in the
+interpreter too) wherever every tensor is TMA-ready.  A third route, ``impl="split"`` (the module default
 ``GEMM_IMPL`` picks per direction and dtype: split for the FP8 dpre only, from H200 timings), runs the GEMM through cuBLAS into a bf16 temporary and the same epilogue as a
 bandwidth-bound Triton pass: it trades two passes over an (M, N) bf16 tensor for cuBLAS's faster
 mainloop (benchmarks/bench_mlp.py times both, interleaved).  FP8 outputs are produced as bit patterns by integer
@@ -241,6 +244,146 @@ def _relu2_gemm_tma_kernel(
         )
 
 
+@triton.jit
+def _relu2_half_tile(
+    acc, off_m, off_n, aux_desc, out_desc, q_desc, qt_desc, aux_scale, inv_q,
+    FORWARD: tl.constexpr, AUX_SCALED: tl.constexpr, STORE_OUT: tl.constexpr, STORE_Q: tl.constexpr,
+    STORE_QT: tl.constexpr, Q_MAX: tl.constexpr, Q_E5M2: tl.constexpr, EXACT_CASTS: tl.constexpr,
+    O_MANT: tl.constexpr, O_EMIN: tl.constexpr, O_SUB_C: tl.constexpr, O_MIN_NORMAL: tl.constexpr,
+    Q_MANT: tl.constexpr, Q_EMIN: tl.constexpr, Q_SUB_C: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
+):
+    """:func:`_epilogue`'s arithmetic on one (BLOCK_M, BLOCK_N / 2) half of a scaled accumulator,
+    with ``post`` read and the outputs written through TMA descriptors (out-of-range rows and
+    columns are zero-filled on load and dropped on store, so no masks).  Returns the half's
+    max|v| (0 when no FP8 output is stored)."""
+    if FORWARD:
+        r = tl.maximum(acc, 0.0)
+        v = r * r
+    else:
+        post = aux_desc.load([off_m, off_n]).to(tl.float32)
+        if AUX_SCALED:
+            post = post * aux_scale
+        v = 2.0 * acc * tl.sqrt(post)
+    if STORE_OUT:
+        o = v
+        if EXACT_CASTS:
+            o = _round_to_grid(o, O_MANT, O_EMIN, O_SUB_C, O_MIN_NORMAL)
+        out_desc.store([off_m, off_n], o.to(out_desc.dtype))
+    half_amax = 0.0
+    if STORE_Q or STORE_QT:
+        qf = tl.minimum(tl.maximum(v * inv_q, -Q_MAX), Q_MAX)
+        if EXACT_CASTS or STORE_QT:
+            # integer bit patterns: the cvt path corrupts transposed FP8 tiles (see _epilogue)
+            q = _fp8_bits(qf, Q_MANT, Q_EMIN, Q_SUB_C, Q_MIN_NORMAL)
+        else:
+            q = _fp8_bits_hw(qf, Q_E5M2)
+        if STORE_Q:
+            q_desc.store([off_m, off_n], q)
+        if STORE_QT:
+            qt_desc.store([off_n, off_m], tl.trans(q))
+        half_amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
+    return half_amax
+
+
+@triton.jit
+def _relu2_tma_store_tile(
+    tile, a_desc, b_desc, aux_desc, out_desc, q_desc, qt_desc, ab_scale, aux_scale, inv_q, M, N, K: tl.constexpr,
+    FORWARD: tl.constexpr, AB_SCALED: tl.constexpr, AUX_SCALED: tl.constexpr,
+    STORE_OUT: tl.constexpr, STORE_Q: tl.constexpr, STORE_QT: tl.constexpr, Q_MAX: tl.constexpr,
+    Q_E5M2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EXACT_CASTS: tl.constexpr,
+    O_MANT: tl.constexpr, O_EMIN: tl.constexpr, O_SUB_C: tl.constexpr, O_MIN_NORMAL: tl.constexpr,
+    Q_MANT: tl.constexpr, Q_EMIN: tl.constexpr, Q_SUB_C: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
+):
+    """One output tile of :func:`_relu2_gemm_tma_store_kernel`; returns its max|v|."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % group_rows
+    pid_n = (tile % per_group) // group_rows
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+        b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+        if EXACT_CASTS:
+            # The CPU interpreter's bf16 dot is wrong; its fp32 dot is exact.
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b.T, acc)
+    if AB_SCALED:
+        acc = acc * ab_scale
+    acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    amax0 = _relu2_half_tile(
+        acc0, m0, n0, aux_desc, out_desc, q_desc, qt_desc, aux_scale, inv_q,
+        FORWARD, AUX_SCALED, STORE_OUT, STORE_Q, STORE_QT, Q_MAX, Q_E5M2, EXACT_CASTS,
+        O_MANT, O_EMIN, O_SUB_C, O_MIN_NORMAL, Q_MANT, Q_EMIN, Q_SUB_C, Q_MIN_NORMAL,
+    )
+    amax1 = _relu2_half_tile(
+        acc1, m0, n0 + BLOCK_N // 2, aux_desc, out_desc, q_desc, qt_desc, aux_scale, inv_q,
+        FORWARD, AUX_SCALED, STORE_OUT, STORE_Q, STORE_QT, Q_MAX, Q_E5M2, EXACT_CASTS,
+        O_MANT, O_EMIN, O_SUB_C, O_MIN_NORMAL, Q_MANT, Q_EMIN, Q_SUB_C, Q_MIN_NORMAL,
+    )
+    return tl.maximum(amax0, amax1)
+
+
+@triton.jit
+def _relu2_gemm_tma_store_kernel(
+    a_desc, b_desc, aux_desc, out_desc, q_desc, qt_desc, amax_ptr,
+    a_scale_ptr, b_scale_ptr, aux_scale_ptr, q_scale_ptr,
+    M, N, K: tl.constexpr,
+    FORWARD: tl.constexpr, AB_SCALED: tl.constexpr, AUX_SCALED: tl.constexpr,
+    STORE_OUT: tl.constexpr, STORE_Q: tl.constexpr, STORE_QT: tl.constexpr, Q_MAX: tl.constexpr,
+    Q_E5M2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, PERSISTENT: tl.constexpr,
+    EXACT_CASTS: tl.constexpr,
+    O_MANT: tl.constexpr, O_EMIN: tl.constexpr, O_SUB_C: tl.constexpr, O_MIN_NORMAL: tl.constexpr,
+    Q_MANT: tl.constexpr, Q_EMIN: tl.constexpr, Q_SUB_C: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
+):
+    """:func:`_relu2_gemm_tma_kernel` with its epilogue through TMA as well: ``post`` (backward)
+    is loaded and ``out``/``q``/``qt`` are stored by descriptor in two (BLOCK_M, BLOCK_N / 2)
+    halves (half the epilogue's live registers; the stores are asynchronous, so they overlap the
+    next tile's main loop; the transposed FP8 half is transposed in registers and stored as a
+    (BLOCK_N / 2, BLOCK_M) box of ``qt``), and the FP8 amax is reduced per program, one atomic per
+    program instead of one per tile.
+
+    ``PERSISTENT``: one program per SM looping over tiles (the GPU); else one program per tile
+    (the CPU interpreter, which cannot loop to a runtime bound)."""
+    ab_scale = 1.0
+    if AB_SCALED:
+        ab_scale = tl.load(a_scale_ptr) * tl.load(b_scale_ptr)
+    aux_scale = 1.0
+    if AUX_SCALED:
+        aux_scale = tl.load(aux_scale_ptr)
+    inv_q = 1.0
+    if STORE_Q:
+        inv_q = tl.math.div_rn(1.0, tl.load(q_scale_ptr))
+    if PERSISTENT:
+        prog_amax = 0.0
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=FLATTEN):
+            tile_amax = _relu2_tma_store_tile(
+                tile, a_desc, b_desc, aux_desc, out_desc, q_desc, qt_desc, ab_scale, aux_scale, inv_q, M, N, K,
+                FORWARD, AB_SCALED, AUX_SCALED, STORE_OUT, STORE_Q, STORE_QT, Q_MAX, Q_E5M2,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EXACT_CASTS,
+                O_MANT, O_EMIN, O_SUB_C, O_MIN_NORMAL, Q_MANT, Q_EMIN, Q_SUB_C, Q_MIN_NORMAL,
+            )
+            prog_amax = tl.maximum(prog_amax, tile_amax)
+    else:
+        prog_amax = _relu2_tma_store_tile(
+            tl.program_id(0), a_desc, b_desc, aux_desc, out_desc, q_desc, qt_desc, ab_scale, aux_scale, inv_q, M, N, K,
+            FORWARD, AB_SCALED, AUX_SCALED, STORE_OUT, STORE_Q, STORE_QT, Q_MAX, Q_E5M2,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EXACT_CASTS,
+            O_MANT, O_EMIN, O_SUB_C, O_MIN_NORMAL, Q_MANT, Q_EMIN, Q_SUB_C, Q_MIN_NORMAL,
+        )
+    if STORE_Q or STORE_QT:
+        tl.atomic_max(amax_ptr, prog_amax)
+
+
 class GemmOut(NamedTuple):
     """Outputs of :func:`relu2_gemm`: ``out`` (M, N) or None, ``q`` (M, N) fp8 or None,
     ``qt`` (N, M) fp8 or None, ``amax`` 0-d fp32 (max-accumulated) or None."""
@@ -291,17 +434,27 @@ TMA_CONFIGS = {
     "fp8": (128, 256, 128, 8, 8, 3),
     "fp8_fwd": (128, 128, 128, 8, 8, 4),
 }
+# impl "tma" (:func:`_relu2_gemm_tma_store_kernel`, epilogue through TMA too), same keys.
+TMA_STORE_CONFIGS = {
+    "bf16": (128, 256, 64, 8, 8, 3),
+    "fp8": (128, 256, 128, 8, 8, 3),
+    "fp8_fwd": (128, 256, 128, 8, 8, 3),
+}
 USE_TMA = True
 TMA_FLATTEN = True
-# How relu2_gemm runs by default: "fused" (one Triton GEMM with the ReLU² epilogue) or "split"
-# (the GEMM through cuBLAS with a 16-bit output, then the epilogue as a bandwidth-bound Triton
-# pass: 2 extra passes over an (M, N) bf16 tensor for cuBLAS's faster mainloop).  Either one
-# string for every call, or a choice per (direction, operand dtype).  H200, T = 49,152, 2026-12-03
-# (benchmarks/bench_mlp.py, 7 interleaved rounds, split/fused): FP8 up 1.22 (both layouts) and
-# 1.10 (fp8_fwd), bf16 up 1.26, FP8 dpre 0.871 -> split only for the FP8 dpre (docs/perf-notes.md).
-GEMM_IMPL: str | dict[tuple[str, bool], str] = {
-    ("up", True): "fused", ("up", False): "fused", ("dpre", True): "split", ("dpre", False): "fused",
+# How relu2_gemm runs by default: "fused" (one Triton GEMM with the ReLU² epilogue, pointer
+# stores), "tma" (the same with the epilogue's loads and stores through TMA descriptors; where TMA
+# cannot run, i.e. before sm90 or with strided or unaligned tensors, it runs as "fused") or "split" (the GEMM through cuBLAS with a 16-bit output, then the epilogue as a
+# bandwidth-bound Triton pass: 2 extra passes over an (M, N) bf16 tensor for cuBLAS's faster
+# mainloop).  Either one string for every call, or a choice per (direction, operand dtype).
+# H200, T = 49,152, 2026-12-03 (benchmarks/bench_mlp.py, 7 interleaved rounds, split/fused): FP8
+# up 1.22 (both layouts) and 1.10 (fp8_fwd), bf16 up 1.26, FP8 dpre 0.871 -> split for the FP8
+# dpre.  "tma" for the rest: upstream's epilogue design (docs/perf-notes.md, thirteenth session).
+DEFAULT_GEMM_IMPL: dict[tuple[str, bool], str] = {
+    ("up", True): "tma", ("up", False): "tma", ("dpre", True): "split", ("dpre", False): "tma",
 }
+GEMM_IMPL: str | dict[tuple[str, bool], str] = DEFAULT_GEMM_IMPL  # train.mlp_gemm sets it
+GEMM_IMPLS = ("fused", "tma", "split")
 
 
 def default_gemm_impl(forward: bool, fp8: bool) -> str:
@@ -314,12 +467,26 @@ def default_gemm_impl(forward: bool, fp8: bool) -> str:
 EPILOGUE_CONFIG = (64, 128, 8)  # BLOCK_M, BLOCK_N, num_warps of the split path's epilogue pass
 
 
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Row-major contiguous with 16-byte aligned start and rows (what a TMA descriptor needs)."""
+    return t.stride(1) == 1 and t.stride(0) == t.shape[1] and t.data_ptr() % 16 == 0 \
+        and (t.shape[1] * t.element_size()) % 16 == 0
+
+
 def _use_tma(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not (USE_TMA and a.is_cuda and not interpreting()):
         return False
     if cuda_capability(a.device)[0] < 9:
         return False
-    return all(t.stride(1) == 1 and t.stride(0) == t.shape[1] and t.data_ptr() % 16 == 0 for t in (a, b))
+    return _tma_ready(a) and _tma_ready(b)
+
+
+def _use_tma_store(a, b, aux, out, out_q, out_qt) -> bool:
+    """Whether the TMA-epilogue kernel can run: operands as for :func:`_use_tma` (the interpreter
+    runs descriptors too, so it is tested on CPU) and every epilogue tensor TMA-ready."""
+    if not (interpreting() or _use_tma(a, b)):
+        return False
+    return all(_tma_ready(t) for t in (a, b, aux, out, out_q, out_qt) if t is not None)
 
 
 _INTERP_CONFIG = (32, 64, 32, 2, 1, 1)  # few, fat programs: the interpreter pays ~50 ms per program
@@ -402,7 +569,8 @@ def relu2_gemm(
         q_dtype, q_scale: also write ``clamp(v / q_scale, ±FMAX)`` as FP8 (M, N), and max-accumulate
             ``max|v|`` into ``amax``; ``emit_transposed`` adds the (N, M) layout from the same tile.
         out, out_q, out_qt, amax: optional preallocated outputs.
-        impl: "fused" (one Triton kernel) or "split" (cuBLAS GEMM to a bf16 (M, N) temporary,
+        impl: "fused" (one Triton kernel), "tma" (one Triton kernel, epilogue through TMA;
+            "fused" where TMA cannot run) or "split" (cuBLAS GEMM to a bf16 (M, N) temporary,
             then the epilogue in Triton; the accumulator is rounded to bf16 before the epilogue);
             None = the module default :data:`GEMM_IMPL` for this direction and dtype.
 
@@ -410,8 +578,8 @@ def relu2_gemm(
     """
     _check_gemm_args(a, b, aux, aux_scale, a_scale, b_scale, q_dtype, q_scale, store_out, emit_transposed, amax)
     impl = default_gemm_impl(aux is None, a.dtype in _FP8) if impl is None else impl
-    if impl not in ("fused", "split"):
-        raise ValueError(f"relu2_gemm: impl must be 'fused' or 'split', got {impl!r}")
+    if impl not in GEMM_IMPLS:
+        raise ValueError(f"relu2_gemm: impl must be one of {GEMM_IMPLS}, got {impl!r}")
     if not triton_usable(a):
         return relu2_gemm_reference(
             a, b, aux=aux, aux_scale=aux_scale, a_scale=a_scale, b_scale=b_scale, store_out=store_out,
@@ -455,6 +623,9 @@ def relu2_gemm(
             launch(_relu2_epilogue_kernel, grid, acc, *ptrs, M, N, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
                                          **{**common, "AB_SCALED": False})
         return GemmOut(out, out_q, out_qt, amax)
+    if impl == "tma" and _use_tma_store(a, b, aux, out, out_q, out_qt):
+        _launch_tma_store(a, b, aux, out, out_q, out_qt, amax, a_scale, b_scale, aux_scale, q_scale, common)
+        return GemmOut(out, out_q, out_qt, amax)
     if _use_tma(a, b):
         key = "fp8" if fp8 else "bf16"
         bm, bn, bk, gm, warps, stages = TMA_CONFIGS.get(key + "_fwd" if aux is None else key, TMA_CONFIGS[key])
@@ -479,6 +650,42 @@ def relu2_gemm(
             num_warps=warps, num_stages=stages, **common,
         )
     return GemmOut(out, out_q, out_qt, amax)
+
+
+def _launch_tma_store(a, b, aux, out, out_q, out_qt, amax, a_scale, b_scale, aux_scale, q_scale, common) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, K = a.shape
+    N = b.shape[0]
+    key = "fp8" if a.dtype in _FP8 else "bf16"
+    persistent = not interpreting()
+    if not persistent:
+        bm, bn, bk, gm, warps, stages = _INTERP_CONFIG
+    else:
+        bm, bn, bk, gm, warps, stages = TMA_STORE_CONFIGS.get(key + "_fwd" if aux is None else key,
+                                                              TMA_STORE_CONFIGS[key])
+    half = [bm, bn // 2]
+    # A descriptor the kernel never reads stands in for absent tensors (constexpr-dead branches).
+    out_desc = TensorDescriptor.from_tensor(out, half) if out is not None else None
+    q_desc = TensorDescriptor.from_tensor(out_q.view(torch.uint8), half) if out_q is not None else None
+    qt_desc = TensorDescriptor.from_tensor(out_qt.view(torch.uint8), half[::-1]) if out_qt is not None else None
+    aux_desc = TensorDescriptor.from_tensor(aux, half) if aux is not None else None
+    stand_in = next(d for d in (out_desc, q_desc, qt_desc) if d is not None)
+    dummy = a
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    sms = sm_count(a.device) if persistent else tiles
+    grid = (min(sms, tiles),)
+    with launch_note("_relu2_gemm_tma_store_kernel", reads=(a, b, aux), writes=(out, out_q, out_qt), flops=2 * M * N * K):
+        launch(_relu2_gemm_tma_store_kernel, grid,
+            TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
+            *(d if d is not None else stand_in for d in (aux_desc, out_desc, q_desc, qt_desc)),
+            amax if amax is not None else dummy,
+            a_scale if a_scale is not None else dummy, b_scale if b_scale is not None else dummy,
+            aux_scale if aux_scale is not None else dummy, q_scale if q_scale is not None else dummy,
+            M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_SMS=sms, FLATTEN=TMA_FLATTEN,
+            PERSISTENT=persistent, num_warps=warps, num_stages=stages,
+            **common,
+        )
 
 
 def relu2_gemm_reference(

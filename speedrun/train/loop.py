@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from speedrun import distributed
+from speedrun.compiling import allow_schedule_variants
 from speedrun.config import RunConfig, Stage
 from speedrun.errors import ConfigError, DataError
 from speedrun.model import build_model
@@ -215,14 +216,28 @@ def _validation_variants(recipe, total_steps: int, val_every: int) -> dict[int, 
     return out
 
 
+MLP_GEMM_CHOICES = ("auto", "fused", "tma", "split")
+
+
 def configure_kernel_launch(cfg: RunConfig) -> None:
-    """Apply ``train.triton_launch`` (process-wide: how our Triton kernels are launched)."""
+    """Apply the process-wide kernel routing: ``train.triton_launch`` (how our Triton kernels are
+    launched) and ``train.mlp_gemm`` (the ReLU² GEMMs' route).  Arms of one benchmark process
+    re-apply it before each step."""
+    import sys
+
     from speedrun.kernels import launch
 
     choices = ("cached", "plain")
     if cfg.train.triton_launch not in choices:
         raise ConfigError(f"train.triton_launch must be one of {', '.join(choices)}, got {cfg.train.triton_launch!r}")
+    if cfg.train.mlp_gemm not in MLP_GEMM_CHOICES:
+        raise ConfigError(f"train.mlp_gemm must be one of {', '.join(MLP_GEMM_CHOICES)}, got {cfg.train.mlp_gemm!r}")
     launch.set_enabled(cfg.train.triton_launch == "cached")
+    # Not imported yet means nothing changed its default: no import (it needs Triton) for "auto".
+    if cfg.train.mlp_gemm != "auto" or "speedrun.kernels.mlp" in sys.modules:
+        from speedrun.kernels import mlp
+
+        mlp.GEMM_IMPL = mlp.DEFAULT_GEMM_IMPL if cfg.train.mlp_gemm == "auto" else cfg.train.mlp_gemm
 
 
 def compile_model(model, cfg: RunConfig):
@@ -235,6 +250,7 @@ def compile_model(model, cfg: RunConfig):
     if cfg.train.compile:
         if not hasattr(model, "compile_body"):
             raise ConfigError(f"{type(model).__name__} has no compile_body(); set train.compile=false")
+        allow_schedule_variants()
         extra = {}
         if cfg.train.compile_cpp_wrapper:
             _check_cpp_wrapper_backend(model, cfg)

@@ -135,6 +135,70 @@ def test_relu2_gemm_backward_fp8_aux(kernel_kind):
     assert rel(r.q.float() * ds, ref.out) < 0.12  # e5m2 (2 mantissa bits) of g and dpre, e4m3 post/w2
 
 
+@pytest.mark.parametrize("t", [T, 49152, T + 40])  # record stage-3 micro-batch; a ragged last M tile
+def test_tma_epilogue_at_record_shapes(t, monkeypatch):
+    """impl="tma" (persistent, epilogue through TMA in half tiles) on the record's uses (the FP8
+    forward: bf16 + e4m3 post, amax; the bf16 dpre with the bank's K-major (H, D) w2) and the
+    candidate's (e4m3 post and e5m2 dpre in both layouts; the FP8 dpre row-major): every output
+    written (poisoned), against the fp32 reference and against the pointer epilogue, the two FP8
+    layouts transposes of each other; and the TMA kernel must actually have run."""
+    calls = []
+    real = mlp_module._launch_tma_store
+    monkeypatch.setattr(mlp_module, "_launch_tma_store", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    g = torch.Generator(device=DEV).manual_seed(7)
+    x = torch.randn(t, D, device=DEV, generator=g).bfloat16()
+    w1 = (torch.randn(H, D, device=DEV, generator=g) / D**0.5).bfloat16()
+    w2_hd = (torch.randn(H, D, device=DEV, generator=g) / H**0.5).bfloat16()
+    gy = torch.randn(t, D, device=DEV, generator=g).bfloat16()
+    if t % 16 == 0:
+        xs, ws = x.float().abs().amax() / 448, w1.float().abs().amax() / 448
+        xq, _, _ = quantize_dual_layout(x, xs)
+        wq, _, _ = quantize_dual_layout(w1, ws)
+        ref = relu2_gemm_reference(xq, wq, a_scale=xs, b_scale=ws)
+        qs = ref.out.float().amax() * 0.8 / 448  # the top values saturate
+        kw = dict(a_scale=xs, b_scale=ws, q_dtype=E4M3, q_scale=qs)
+        r = relu2_gemm(xq, wq, out=_poison(t, H, dtype=torch.bfloat16), out_q=_poison(t, H, dtype=E4M3),
+                       amax=torch.zeros((), device=DEV), impl="tma", **kw)
+        rf = relu2_gemm(xq, wq, amax=torch.zeros((), device=DEV), impl="fused", **kw)
+        rr = relu2_gemm_reference(xq, wq, amax=torch.zeros((), device=DEV), **kw)
+        assert rel(r.out, rr.out) < 1e-2 and rel(r.out, rf.out) < 1e-2
+        assert rel(r.q.float(), rr.q.float()) < 2e-2 and r.q.float().max() == 448
+        assert abs(r.amax.item() - rr.amax.item()) / rr.amax.item() < 1e-2
+        post, pq = r.out, r.q
+    else:
+        post = relu2_gemm_reference(x, w1).out
+        r = relu2_gemm(x, w1, out=_poison(t, H, dtype=torch.bfloat16), impl="tma")
+        assert rel(r.out, post) < 1e-2
+    ref_d = relu2_gemm_reference(gy, w2_hd, aux=post)
+    d = relu2_gemm(gy, w2_hd, aux=post, out=_poison(t, H, dtype=torch.bfloat16), impl="tma")
+    assert rel(d.out, ref_d.out) < 1e-2
+    assert rel(d.out, relu2_gemm(gy, w2_hd, aux=post, impl="fused").out) < 1e-2
+    if t % 16 == 0:
+        gs = gy.float().abs().amax() / 57344
+        gq, _, _ = quantize_dual_layout(gy, gs, fp8_dtype=E5M2)
+        w2s = w2_hd.float().abs().amax() / 448
+        w2q, _, _ = quantize_dual_layout(w2_hd, w2s)
+        ds = ref_d.out.float().abs().amax() * 2 / 57344
+        kw = dict(aux=pq, aux_scale=qs, a_scale=gs, b_scale=w2s, q_dtype=E5M2, q_scale=ds, store_out=False)
+        r = relu2_gemm(gq, w2q, out_q=_poison(t, H, dtype=E5M2), amax=torch.zeros((), device=DEV), impl="tma", **kw)
+        rr = relu2_gemm_reference(gq, w2q, amax=torch.zeros((), device=DEV), **kw)
+        assert rel(r.q.float(), rr.q.float()) < 3e-2
+        assert abs(r.amax.item() - rr.amax.item()) / rr.amax.item() < 1e-2
+        # fp8_full: both layouts from one tile (the transposed half boxes through TMA)
+        r = relu2_gemm(gq, w2q, out_q=_poison(t, H, dtype=E5M2), out_qt=_poison(H, t, dtype=E5M2), emit_transposed=True,
+                       amax=torch.zeros((), device=DEV), impl="tma", **kw)
+        assert rel(r.q.float(), rr.q.float()) < 3e-2
+        assert torch.equal(r.qt.view(torch.uint8), r.q.t().contiguous().view(torch.uint8))
+        kw = dict(a_scale=xs, b_scale=ws, q_dtype=E4M3, q_scale=qs, store_out=False, emit_transposed=True)
+        r = relu2_gemm(xq, wq, out_q=_poison(t, H, dtype=E4M3), out_qt=_poison(H, t, dtype=E4M3),
+                       amax=torch.zeros((), device=DEV), impl="tma", **kw)
+        rr = relu2_gemm_reference(xq, wq, amax=torch.zeros((), device=DEV), **kw)
+        assert rel(r.q.float(), rr.q.float()) < 2e-2
+        assert torch.equal(r.qt.view(torch.uint8), r.q.t().contiguous().view(torch.uint8))
+        assert abs(r.amax.item() - rr.amax.item()) / rr.amax.item() < 1e-2
+    assert len(calls) == (5 if t % 16 == 0 else 2)
+
+
 @pytest.mark.parametrize("mode,bound_y,bound_g", [("bf16", 1e-2, 1e-2), ("fp8_fwd", 8e-2, 8e-2), ("fp8_full", 8e-2, 0.12)])
 def test_relu2_mlp_modes_record_shape(mode, bound_y, bound_g, kernel_kind):
     x, w1, w2, gy = _mlp_inputs(4)
