@@ -135,17 +135,24 @@ def test_compile_model_compiles_what_training_calls(monkeypatch):
                                   v_head_dim=16, architecture="record"))
     seen = {}
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.setdefault("fn", fn) and fn)
-    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    monkeypatch.setattr(torch._dynamo.config, limit, 8)
-    assert compile_model(model, cfg) is model
-    assert seen["fn"] == model.hidden and model._hidden_fn is not None
-    # one graph per schedule variant (stage shapes x train/validation): Dynamo's default of 8 is
-    # too few for a staged schedule (a fullgraph compile fails past it); never lowered
-    assert getattr(torch._dynamo.config, limit) == 64
-    from speedrun.compiling import allow_schedule_variants
+    # (not monkeypatch.setattr: pytest restores a module attribute it finds no __dict__ entry for
+    # by deleting it, and deleting a torch config entry hides it for the rest of the session)
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    saved = getattr(config, limit)
+    setattr(config, limit, 8)
+    try:
+        assert compile_model(model, cfg) is model
+        assert seen["fn"] == model.hidden and model._hidden_fn is not None
+        # one graph per schedule variant (stage shapes x train/validation): Dynamo's default of 8
+        # is too few for a staged schedule (a fullgraph compile fails past it); never lowered
+        assert getattr(config, limit) == 64
+        from speedrun.compiling import allow_schedule_variants
 
-    allow_schedule_variants(16)
-    assert getattr(torch._dynamo.config, limit) == 64
+        allow_schedule_variants(16)
+        assert getattr(config, limit) == 64
+    finally:
+        setattr(config, limit, saved)
 
 
 def test_compile_cpp_wrapper_option_reaches_torch_compile(monkeypatch):
