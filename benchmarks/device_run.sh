@@ -67,7 +67,8 @@ for part in $parts; do
       # "candfwd=candidate:model.kernels=fp8_fwd" (the candidate with the record's MLP precision).
       # BENCH_STEPS: timed steps per arm (default 20; host-bound stage-1 steps need more).
       # HOST_STEPS (default 5): steps per arm traced phase by phase (host, GPU, lead); SYNC_SCAN=0 skips the scan.
-      # CHAIN (default 1): steps back to back per timed sample (--chain; >1 is comparable with upstream's logs).
+      # CHAIN (default 1): steps back to back per timed sample (--chain; >1 is comparable with upstream's
+      # logs; "1,3" times every arm both ways in the same rounds, paired).
       BENCH_ARMS=${BENCH_ARMS:-base=record cand=candidate}
       log "bench step, interleaved: $BENCH_ARMS"
       arms=""; for a in $BENCH_ARMS; do arms="$arms --arm $a"; done

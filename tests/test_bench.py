@@ -164,6 +164,24 @@ def test_chained_samples_time_k_steps_back_to_back(monkeypatch):
     assert log == ["cpu"] * 4
 
 
+def test_several_chain_lengths_are_timed_as_paired_series(tmp_path, capsys):
+    """--chain 1,2: every arm timed both ways in the same rounds, as ARM and ARM@2, each with its
+    ratio to the baseline series (the first arm, first length)."""
+    out = tmp_path / "b.json"
+    args = ["bench", "step", "--arm", "base=tiny", "--arm", "cand=tiny:model.mlp_ratio=2", "--steps", "20",
+            "--warmup", "0", "--chain", "1,2", "--json", str(out)]
+    args += [x for s in SMALL for x in ("--set", s)]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert [a["name"] for a in res["arms"]] == ["base", "base@2", "cand", "cand@2"]
+    assert [a["chain"] for a in res["arms"]] == [1, 2, 1, 2] and res["chain"] == [1, 2]
+    assert all(len(a["times_ms"]) == 20 for a in res["arms"])
+    assert all("vs_base" in a for a in res["arms"][1:]) and "vs_base" not in res["arms"][0]
+    assert "samples of 1 and 2 steps back to back" in res["timing"] and "base@2" in text
+    assert res["order"].startswith("interleaved: base base@2 cand cand@2")
+
+
 def test_bench_stage_selection_and_errors(tmp_path, capsys):
     out = tmp_path / "b.json"
     stages = "train.stages=[[0, 512, 64, 32, 32], [5, 1024, 128, 64, 64]]"
@@ -179,7 +197,12 @@ def test_bench_stage_selection_and_errors(tmp_path, capsys):
     assert main(["bench", "step", "--arm", "a=tiny", "--steps", "5"]) == 2
     assert ">= 20" in capsys.readouterr().err
     assert main(args + ["--chain", "0"]) == 2
-    assert "--chain must be >= 1" in capsys.readouterr().err
+    assert "--chain must be distinct step counts >= 1, got 0" in capsys.readouterr().err
+    assert main(args + ["--chain", "1,1"]) == 2
+    assert "--chain must be distinct" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(args + ["--chain", "two"])
+    assert "expected step counts like 1 or 1,3" in capsys.readouterr().err
     assert main(args[:4] + ["--stage", "0"] + args[6:] + ["--set", "train.triton_launch=fast"]) == 2
     assert "train.triton_launch must be one of cached, plain" in capsys.readouterr().err
 

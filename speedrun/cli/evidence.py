@@ -37,6 +37,13 @@ examples:
 """
 
 
+def _chain_lengths(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(k) for k in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected step counts like 1 or 1,3, got {text!r}") from None
+
+
 def _add_stats(sub) -> None:
     p = sub.add_parser(
         "stats",
@@ -120,7 +127,8 @@ data, forward, backward, optimizer...) the host's time to issue it, the GPU's ti
 events at the phase ends) and the lead, how long after the host issued the phase's end the GPU
 got there.  A lead near 0 means the GPU was waiting for Python at that point.  --chain K times
 K steps back to back per sample (their mean): no idle GPU at each step's start, comparable with
-step times a training run logs without synchronizing (upstream's).  --sync-scan runs
+step times a training run logs without synchronizing (upstream's); --chain 1,3 times both in the
+same rounds (arm and arm@3, paired).  --sync-scan runs
 one more step under torch's sync debug mode and names the lines that make the host wait for the
 GPU (a .item(), torch.tensor(list, device="cuda"), t[idx] = True: blocking copies).
 
@@ -199,10 +207,11 @@ def _add_bench(sub) -> None:
     p.add_argument("--host-steps", type=int, default=0, metavar="N",
                    help="N more steps per arm traced phase by phase: host issue time, GPU time and how "
                         "far the GPU trails the host (default 0; 5 is enough)")
-    p.add_argument("--chain", type=int, default=1, metavar="K",
+    p.add_argument("--chain", type=_chain_lengths, default=(1,), metavar="K[,K...]",
                    help="steps issued back to back per timed sample, reported as their mean (default 1: "
                         "each step timed alone from an idle GPU; K > 1 lets the host run ahead into the "
-                        "next step as a training run does, the way upstream's logged step times are taken)")
+                        "next step as a training run does, the way upstream's logged step times are taken); "
+                        "several (1,3) time every arm both ways in the same rounds, as ARM and ARM@3")
     p.add_argument("--sync-scan", action="store_true",
                    help="one more step per arm under torch's sync debug mode: list the calls that "
                         "synchronise with the GPU, with our code's lines (CUDA)")

@@ -72,7 +72,7 @@ class Session:
     info: Any
     dtype: torch.dtype
     count: int = 0
-    times_ms: list[float] = field(default_factory=list)
+    times_ms: dict[int, list[float]] = field(default_factory=dict)  # per chain length (see time_step)
     resident_bytes: int = 0  # allocated by building and warming up this arm (CUDA)
     step_peak_bytes: int = 0  # max over timed steps of (peak during the step - allocated at its start)
     host_steps: list = field(default_factory=list)  # speedrun.evidence.host.StepTrace per traced step
@@ -254,11 +254,12 @@ def _gather_max(times: list[float], info) -> list[float]:
 def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 0, steps: int = MIN_STEPS,
                warmup: int = 3, common: Sequence[str] = (), seed: int = 0, n_boot: int = 2000,
                progress: bool = False, host_steps: int = 0, sync_scan: bool = False,
-               chain: int = 1) -> dict[str, Any]:
+               chain: int | Sequence[int] = 1) -> dict[str, Any]:
     """Time ``steps`` optimizer steps per arm, interleaved, after ``warmup`` untimed steps each.
 
     ``chain``: steps issued back to back per timed sample (see :func:`time_step`); a sample is
-    their mean, so each arm runs ``steps x chain`` timed steps.
+    their mean, so each arm runs ``steps x chain`` timed steps.  Several lengths (e.g. ``(1, 3)``)
+    time each arm both ways in the same rounds (``arm``, ``arm@3``: paired like two arms).
 
     ``arms``: ArmSpecs (``common`` overrides are applied to each before its own) or
     ``(name, RunConfig)`` pairs; the first arm is the baseline of the ratios.  ``stage`` indexes
@@ -276,8 +277,9 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
         raise ConfigError(f"--steps must be >= 2 and --warmup >= 0, got {steps} and {warmup}")
     if host_steps < 0:
         raise ConfigError(f"--host-steps must be >= 0, got {host_steps}")
-    if chain < 1:
-        raise ConfigError(f"--chain must be >= 1, got {chain}")
+    chains = (chain,) if isinstance(chain, int) else tuple(chain)
+    if not chains or min(chains) < 1 or len(set(chains)) != len(chains):
+        raise ConfigError(f"--chain must be distinct step counts >= 1, got {','.join(map(str, chains)) or 'none'}")
     configs = _as_configs(arms, common)
     devices = {cfg.train.device for _, cfg, _ in configs}
     if len(devices) > 1:
@@ -298,20 +300,26 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
             s.resident_bytes += meter.allocated() - before  # optimizer state, FP8 caches, grads kept
         for rep in range(steps):
             for s in sessions:
-                s.times_ms.append(time_step(s, meter, chain))
+                for c in chains:
+                    s.times_ms.setdefault(c, []).append(time_step(s, meter, c))
             if progress and info.is_main and (rep + 1) % 10 == 0:
                 print(f"  {rep + 1}/{steps} repetitions", flush=True)
-        times = {s.name: _gather_max(s.times_ms, info) for s in sessions}
+        times = {series_name(s.name, c, chains): _gather_max(s.times_ms[c], info) for s in sessions for c in chains}
         _host_side(sessions, info, host_steps, sync_scan)
     finally:
         for s in sessions:
             s.close()
     distributed.teardown()
-    result = _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info, chain)
+    result = _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info, chains)
     del sessions
     if info.device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def series_name(arm: str, chain: int, chains: Sequence[int]) -> str:
+    """A timed series' name: the arm's, with ``@K`` for chain lengths after the first."""
+    return arm if chain == chains[0] else f"{arm}@{chain}"
 
 
 def _host_side(sessions: Sequence[Session], info, host_steps: int, sync_scan: bool) -> None:
@@ -326,41 +334,53 @@ def _host_side(sessions: Sequence[Session], info, host_steps: int, sync_scan: bo
             s.syncs = find_syncs(s.step, info.device)
 
 
-def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info, chain=1) -> dict[str, Any]:
+def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info, chains=(1,)) -> dict[str, Any]:
     from speedrun.evidence.fingerprint import node_fingerprint
     from speedrun.train.loop import grad_accum_steps
 
-    base = sessions[0].name
+    base = series_name(sessions[0].name, chains[0], chains)
     out_arms = []
-    for (name, cfg, spec), s in zip(configs, sessions):
+    for (arm, cfg, spec), s in zip(configs, sessions):
         st = s.stage
-        d = describe_times(times[name])
-        entry = {
-            **spec,
-            "stage": {"index": stage, "batch_tokens": st.batch_tokens, "max_seq_len": st.max_seq_len,
-                      "window_short": st.window_short, "window_long": st.window_long},
-            "grad_accum": grad_accum_steps(cfg, info.world_size),
-            "compile": cfg.train.compile,
-            "dtype": str(s.dtype).replace("torch.", ""),
-            "parameters": sum(p.numel() for p in s.model.parameters()),
-            **d,
-            "tokens_per_s": st.batch_tokens / (d["median_ms"] / 1000.0),
-            **_memory_fields(s, info),
-            "times_ms": times[name],
-            "config": cfg.to_dict(),
-        }
-        if s.host_steps:
-            from speedrun.evidence.host import summarize_traces
+        for c in chains:
+            name = series_name(arm, c, chains)
+            d = describe_times(times[name])
+            entry = {
+                **spec,
+                "name": name,
+                "chain": c,
+                "stage": {"index": stage, "batch_tokens": st.batch_tokens, "max_seq_len": st.max_seq_len,
+                          "window_short": st.window_short, "window_long": st.window_long},
+                "grad_accum": grad_accum_steps(cfg, info.world_size),
+                "compile": cfg.train.compile,
+                "dtype": str(s.dtype).replace("torch.", ""),
+                "parameters": sum(p.numel() for p in s.model.parameters()),
+                **d,
+                "tokens_per_s": st.batch_tokens / (d["median_ms"] / 1000.0),
+                **_memory_fields(s, info),
+                "times_ms": times[name],
+                "config": cfg.to_dict(),
+            }
+            if c == chains[0]:  # the arm's host-side extras, once
+                if s.host_steps:
+                    from speedrun.evidence.host import summarize_traces
 
-            entry["host"] = summarize_traces(s.host_steps)
-        if s.syncs is not None:
-            entry["syncs"] = s.syncs
-        if name != base:
-            entry["vs_" + base] = bootstrap_ratio_ci(times[base], times[name], n_boot=n_boot, seed=seed)
-        out_arms.append(entry)
+                    entry["host"] = summarize_traces(s.host_steps)
+                if s.syncs is not None:
+                    entry["syncs"] = s.syncs
+            if name != base:
+                entry["vs_" + base] = bootstrap_ratio_ci(times[base], times[name], n_boot=n_boot, seed=seed)
+            out_arms.append(entry)
     warnings = []
     if steps < MIN_STEPS:
         warnings.append(f"only {steps} timed steps per arm (>= {MIN_STEPS} recommended)")
+    clock = "cuda events" if info.device.type == "cuda" else "perf_counter"
+    if chains == (1,):
+        timing = f"{clock}, synchronized per step"
+    else:
+        lengths = " and ".join(map(str, chains))
+        timing = (f"{clock}, samples of {lengths} steps back to back (mean per step; 'arm@K': K steps), "
+                  "synchronized between samples")
     return {
         "baseline": base,
         "stage": stage,
@@ -368,11 +388,9 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
         "warmup": warmup,
         "device": str(info.device),
         "world_size": info.world_size,
-        "chain": chain,
-        "timing": ("cuda events" if info.device.type == "cuda" else "perf_counter")
-        + (", synchronized per step" if chain == 1 else f", {chain} steps back to back per sample (mean), "
-           "synchronized between samples"),
-        "order": "interleaved: " + " ".join(s.name for s in sessions) + " ...",
+        "chain": list(chains),
+        "timing": timing,
+        "order": "interleaved: " + " ".join(series_name(s.name, c, chains) for s in sessions for c in chains) + " ...",
         "arms": out_arms,
         "warnings": warnings,
         "fingerprint": node_fingerprint(measure=False) if info.is_main else None,
