@@ -146,6 +146,33 @@ def _epilogue(
 
 
 @triton.jit
+def _grouped_tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of output tile ``tile`` in grouped order: GROUP_M row-blocks share each B
+    column-block while it sits in L2."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
+@triton.jit
+def _tma_mainloop(a_desc, b_desc, pid_m, pid_n, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, EXACT_CASTS: tl.constexpr):
+    """fp32 (BLOCK_M, BLOCK_N) accumulator of a @ bᵀ for one tile, operands through TMA."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+        b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+        if EXACT_CASTS:
+            # The CPU interpreter's bf16 dot is wrong; its fp32 dot is exact.
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b.T, acc)
+    return acc
+
+
+@triton.jit
 def _relu2_gemm_kernel(
     a_ptr, b_ptr, aux_ptr, out_ptr, q_ptr, qt_ptr, amax_ptr,
     a_scale_ptr, b_scale_ptr, aux_scale_ptr, q_scale_ptr,
@@ -159,15 +186,7 @@ def _relu2_gemm_kernel(
     O_MANT: tl.constexpr, O_EMIN: tl.constexpr, O_SUB_C: tl.constexpr, O_MIN_NORMAL: tl.constexpr,
     Q_MANT: tl.constexpr, Q_EMIN: tl.constexpr, Q_SUB_C: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # Grouped tile order: GROUP_M row-blocks share each B column-block while it sits in L2.
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -220,20 +239,10 @@ def _relu2_gemm_tma_kernel(
 ):
     """sm90 variant of :func:`_relu2_gemm_kernel`: persistent over output tiles (one program per
     SM), operands through TMA descriptors (K-major a (M, K) and b (N, K)); same epilogue."""
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = num_m * num_n
-    per_group = GROUP_M * num_n
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=FLATTEN):
-        first_m = (tile // per_group) * GROUP_M
-        group_rows = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % group_rows
-        pid_n = (tile % per_group) // group_rows
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
-            b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
-            acc = tl.dot(a, b.T, acc)
+        pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = _tma_mainloop(a_desc, b_desc, pid_m, pid_n, K, BLOCK_M, BLOCK_N, BLOCK_K, EXACT_CASTS)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         _epilogue(
@@ -297,21 +306,8 @@ def _relu2_tma_store_tile(
     Q_MANT: tl.constexpr, Q_EMIN: tl.constexpr, Q_SUB_C: tl.constexpr, Q_MIN_NORMAL: tl.constexpr,
 ):
     """One output tile of :func:`_relu2_gemm_tma_store_kernel`; returns its max|v|."""
-    num_m = tl.cdiv(M, BLOCK_M)
-    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (tile // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % group_rows
-    pid_n = (tile % per_group) // group_rows
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
-        b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
-        if EXACT_CASTS:
-            # The CPU interpreter's bf16 dot is wrong; its fp32 dot is exact.
-            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b.T, acc)
+    pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = _tma_mainloop(a_desc, b_desc, pid_m, pid_n, K, BLOCK_M, BLOCK_N, BLOCK_K, EXACT_CASTS)
     if AB_SCALED:
         acc = acc * ab_scale
     acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
@@ -481,12 +477,13 @@ def _use_tma(a: torch.Tensor, b: torch.Tensor) -> bool:
     return _tma_ready(a) and _tma_ready(b)
 
 
-def _use_tma_store(a, b, aux, out, out_q, out_qt) -> bool:
-    """Whether the TMA-epilogue kernel can run: operands as for :func:`_use_tma` (the interpreter
-    runs descriptors too, so it is tested on CPU) and every epilogue tensor TMA-ready."""
-    if not (interpreting() or _use_tma(a, b)):
-        return False
-    return all(_tma_ready(t) for t in (a, b, aux, out, out_q, out_qt) if t is not None)
+def _use_tma_store(a, b, operands_tma, aux, out, out_q, out_qt) -> bool:
+    """Whether the TMA-epilogue kernel can run: the operands TMA-ready (``operands_tma``: the
+    :func:`_use_tma` answer on a GPU; the interpreter runs descriptors too, so it is tested on
+    CPU) and every epilogue tensor TMA-ready."""
+    if interpreting():
+        operands_tma = _tma_ready(a) and _tma_ready(b)
+    return operands_tma and all(_tma_ready(t) for t in (aux, out, out_q, out_qt) if t is not None)
 
 
 _INTERP_CONFIG = (32, 64, 32, 2, 1, 1)  # few, fat programs: the interpreter pays ~50 ms per program
@@ -623,10 +620,11 @@ def relu2_gemm(
             launch(_relu2_epilogue_kernel, grid, acc, *ptrs, M, N, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
                                          **{**common, "AB_SCALED": False})
         return GemmOut(out, out_q, out_qt, amax)
-    if impl == "tma" and _use_tma_store(a, b, aux, out, out_q, out_qt):
+    operands_tma = _use_tma(a, b)
+    if impl == "tma" and _use_tma_store(a, b, operands_tma, aux, out, out_q, out_qt):
         _launch_tma_store(a, b, aux, out, out_q, out_qt, amax, a_scale, b_scale, aux_scale, q_scale, common)
         return GemmOut(out, out_q, out_qt, amax)
-    if _use_tma(a, b):
+    if operands_tma:
         key = "fp8" if fp8 else "bf16"
         bm, bn, bk, gm, warps, stages = TMA_CONFIGS.get(key + "_fwd" if aux is None else key, TMA_CONFIGS[key])
         from triton.tools.tensor_descriptor import TensorDescriptor
