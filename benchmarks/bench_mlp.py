@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -71,6 +72,9 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=3072)
     p.add_argument("--layers", type=int, default=11)
     p.add_argument("--sweep", action="store_true", help="also time alternative Triton block configurations")
+    p.add_argument("--sweep-filter", metavar="REGEX", default="",
+                   help="with --sweep: only the GEMMs whose 'KIND WHAT ROUTE' matches (e.g. 'fp8 dpre.*tma-epilogue'), "
+                        "and no quantise sweep unless it matches 'quant'")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_mlp: needs a CUDA GPU", file=sys.stderr)
@@ -337,7 +341,10 @@ def main(argv=None) -> int:
         # grouping (its FP8 forward runs 128x256x128, 3 stages, against our fp8_fwd 128x128x128, 4)
         cands = [(128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 128, 128, 8, 8, 4),
                  (128, 256, 128, 8, 8, 3), (128, 256, 128, 8, 8, 4), (128, 128, 128, 8, 4, 4),
-                 (128, 256, 128, 1, 8, 3), (128, 128, 128, 1, 8, 4), (128, 256, 64, 1, 8, 3)]
+                 (128, 256, 128, 1, 8, 3), (128, 128, 128, 1, 8, 4), (128, 256, 64, 1, 8, 3),
+                 (128, 128, 128, 8, 8, 3), (128, 256, 128, 8, 8, 2), (256, 128, 128, 8, 8, 3),
+                 (128, 256, 128, 4, 8, 3)]
+        wanted = re.compile(args.sweep_filter) if args.sweep_filter else None
         kernels = (
             ("bf16", "up", lambda: M.relu2_gemm(x, w1)),
             ("bf16", "dpre (pointer only: w2.t() is not K-major)", lambda: M.relu2_gemm(g, w2.t(), aux=post)),
@@ -356,6 +363,8 @@ def main(argv=None) -> int:
         for kind, what, fn in kernels:
             for route, use_tma, flatten in routes:
                 if (use_tma and what.startswith("dpre (pointer")) or (kind == "fp8_fwd" and not use_tma):
+                    continue
+                if wanted is not None and not wanted.search(f"{kind} {what} {route}"):
                     continue
                 table = {"pointer": M.GPU_CONFIGS, "tma-load": M.TMA_CONFIGS, "tma-epilogue": M.TMA_STORE_CONFIGS}[route]
                 for c in cands:
@@ -379,7 +388,8 @@ def main(argv=None) -> int:
 
         saved_q = FC.QUANT_CONFIG
         flat = bank.flatten(0, 1)
-        for c in [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 256, 8), (32, 128, 4)]:
+        quant_configs = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 256, 8), (32, 128, 4)]
+        for c in quant_configs if wanted is None or wanted.search("quant") else []:
             FC.QUANT_CONFIG = c
             for what, t in (("x", x), ("bank", flat)):
                 ms = _bench(lambda t=t: quantize_dual_layout(t, s), rep_ms=100)

@@ -79,10 +79,14 @@ for part in $parts; do
           --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --json "$OUT/bench_step_stage$stage.json" 2>&1 | tail -12
       done ;;
     profile)
-      # PROFILE_ARMS: which presets; PROFILE_STAGE: the stage index whose shapes are profiled (default 2)
+      # PROFILE_ARMS: which presets; PROFILE_STAGE: the stage index whose shapes are profiled (default 2);
+      # PROFILE_DEVICE_ONLY=1: GPU activity alone (the timeline's idle gaps near an unprofiled step's,
+      # no op rows) instead of ops with shapes and Python stacks
       for arm in ${PROFILE_ARMS:-record candidate}; do
-        log "profile $arm at stage index ${PROFILE_STAGE:-2} (2: stage-3 shapes), 2 steps"
-        timeout "$(left 300)" python3 -m speedrun profile --arm "$arm" --stage "${PROFILE_STAGE:-2}" --steps 2 --warmup 2 --stacks \
+        log "profile $arm at stage index ${PROFILE_STAGE:-2} (2: stage-3 shapes), ${PROFILE_STEPS:-2} steps"
+        pflags="--stacks"; [ "${PROFILE_DEVICE_ONLY:-0}" = 1 ] && pflags="--device-only --no-measure"
+        timeout "$(left 300)" python3 -m speedrun profile --arm "$arm" --stage "${PROFILE_STAGE:-2}" \
+          --steps "${PROFILE_STEPS:-2}" --warmup 2 $pflags \
           --set train.max_docs=256 --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --out "/tmp/prof_$arm" --top 25 2>&1 | tail -45
         cp "/tmp/prof_$arm/profile.md" "$OUT/profile_${arm}_stage${PROFILE_STAGE:-2}.md" 2>/dev/null
         cp "/tmp/prof_$arm/profile.json" "$OUT/profile_${arm}_stage${PROFILE_STAGE:-2}.json" 2>/dev/null

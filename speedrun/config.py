@@ -86,6 +86,12 @@ class ModelConfig:
     # tensor first) or "delayed" (the previous optimizer step's amax over all micro-batches and
     # ranks, with headroom, measured inside the quantise kernel: one read fewer per tensor).
     fp8_input_scaling: str = "current"
+    # Gradient of the record network's embedding tables (embed, value and bigram embeddings):
+    # "autograd" (a dense table-sized gradient per micro-batch, added into .grad), or the looked-up
+    # rows' gradients added into an fp32 accumulator that the training step hands to .grad once
+    # per optimizer step (speedrun.model.embedding_grad), the rows added by "atomic" (one atomic
+    # add per element) or "sorted" (rows sorted, repeats summed in registers first) kernels.
+    embedding_grad: str = "autograd"
 
     @property
     def padded_vocab_size(self) -> int:
@@ -108,12 +114,13 @@ class ModelConfig:
             raise ConfigError(f"rope_fraction must lie in [0, 1], got {self.rope_fraction}")
         choices = {"kernels": ("reference", "triton", "fp8", "fp8_full"),
                    "qkv_path": ("reference", "fused", "fused_fp8"), "architecture": ("core", "record"),
-                   "fp8_input_scaling": ("current", "delayed")}
+                   "fp8_input_scaling": ("current", "delayed"), "embedding_grad": ("autograd", "atomic", "sorted")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}; known: {', '.join(allowed)}")
-        if self.architecture == "core" and (self.kernels != "reference" or self.qkv_path != "reference"):
-            raise ConfigError("model.kernels and model.qkv_path apply to architecture=record only")
+        if self.architecture == "core" and (self.kernels != "reference" or self.qkv_path != "reference"
+                                            or self.embedding_grad != "autograd"):
+            raise ConfigError("model.kernels, model.qkv_path and model.embedding_grad apply to architecture=record only")
         for name in ("vocab_size", "num_layers", "model_dim", "num_heads", "qk_head_dim", "v_head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
@@ -271,7 +278,7 @@ def record() -> RunConfig:
         name="record",
         model=ModelConfig(
             vocab_size=50257, num_layers=11, model_dim=768, num_heads=6, qk_head_dim=128, v_head_dim=128,
-            architecture="record", kernels="fp8",
+            architecture="record", kernels="fp8", embedding_grad="atomic",
         ),
         data=DataConfig(
             source="shards", tokenizer="gpt2", bos_id=50256,
@@ -292,7 +299,7 @@ def tiny_record() -> RunConfig:
     return RunConfig(
         name="tiny-record",
         model=ModelConfig(num_layers=6, model_dim=64, num_heads=4, qk_head_dim=16, v_head_dim=16,
-                          architecture="record"),
+                          architecture="record", embedding_grad="atomic"),
         train=TrainConfig(
             steps=102, num_extension=6, schedule="record", optimizer="normuon", grad_accum=1,
             lr=0.008, muon_lr=0.023, batch_divisor=64, seq_divisor=8, window_block=16,

@@ -242,7 +242,7 @@ def _reference(x, w1, w2, gy):
 def test_mlp_forward_backward_vs_reference(mode, bound_y, bound_g, impl, monkeypatch):
     from speedrun.kernels import mlp
 
-    if impl != "per-case":  # per-case: the module default (split for the FP8 dpre only)
+    if impl != "per-case":  # per-case: the module default per direction and dtype
         monkeypatch.setattr(mlp, "GEMM_IMPL", impl)
     x, w1, w2, gy = inputs(5)
     ref = _reference(x, w1, w2, gy)
@@ -350,7 +350,7 @@ def test_train_mlp_gemm_sets_the_route_per_arm(monkeypatch):
     cfg.train.mlp_gemm = "auto"
     configure_kernel_launch(cfg)
     assert mlp.GEMM_IMPL is mlp.DEFAULT_GEMM_IMPL
-    assert mlp.default_gemm_impl(forward=False, fp8=True) == "split"
+    assert mlp.default_gemm_impl(forward=False, fp8=True) == "tma"
     assert mlp.default_gemm_impl(forward=True, fp8=True) == "tma"
     cfg.train.mlp_gemm = "cublas"
     with pytest.raises(ConfigError, match="train.mlp_gemm must be one of auto, fused, tma, split"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from speedrun.cli import main
-from speedrun.errors import EnvironmentProblem
+from speedrun.errors import ConfigError, EnvironmentProblem
 from speedrun.evidence import profile as prof
 from speedrun.evidence.profile import Ceilings, OpCost, dtype_bytes, kernel_key, op_cost, parse_ncu_csv
 
@@ -192,6 +192,19 @@ def test_gpu_timeline_busy_idle_and_gap_sites(tmp_path):
     md = prof.render_markdown(report)
     assert "## GPU timeline: busy and idle" in md and "idle 0.013 ms/step in 1.5 gaps/step" in md
     assert "| `elementwise` | `_relu2_gemm_tma_kernel` | 1 | 0.0080 |" in md
+    # gaps of 8, 10 and 8 µs all fall in the 5-20 µs bucket; the others stay empty
+    assert [(b["count"], b["idle_us"]) for b in t["by_length"]] == [(0, 0.0), (3, 26.0), (0, 0.0), (0, 0.0), (0, 0.0)]
+    assert "| 5-20 us | 1.5 | 0.0130 |" in md and "| >= 1000 us | 0 | 0.0000 |" in md
+
+
+def test_gpu_timeline_sorts_gaps_by_length():
+    """Each gap lands in exactly one bucket: a 1 µs launch gap, a 50 µs stall and a 3 ms wait."""
+    ev = [_timed_kernel("a", 0.0, 10.0), _timed_kernel("b", 11.0, 20.0), _timed_kernel("c", 70.0, 80.0),
+          _timed_kernel("d", 3080.0, 3090.0), _timed_kernel("e", 3095.0, 3100.0)]
+    t = prof.gpu_timeline(ev)
+    got = {b["min_us"]: (b["count"], b["idle_us"]) for b in t["by_length"]}
+    assert got == {0.0: (1, 1.0), 5.0: (1, 5.0), 20.0: (1, 50.0), 100.0: (0, 0.0), 1000.0: (1, 3000.0)}
+    assert sum(c for c, _ in got.values()) == t["gaps"] and sum(u for _, u in got.values()) == t["idle_us"]
 
 
 NCU_CSV = """==PROF== Connected to process 123
@@ -287,6 +300,24 @@ def test_profile_on_gpu_attributes_kernels_and_measures_ceilings(tmp_path):
     paths = prof.write_profile(report, tmp_path / "p")
     assert "## Kernels, by time" in paths["markdown"].read_text()
     assert "## GPU timeline: busy and idle" in paths["markdown"].read_text()
+
+
+@pytest.mark.gpu
+def test_profile_device_only_on_gpu(tmp_path):
+    """Device activity alone: kernels and the timeline without op rows; its gaps sum to its idle."""
+    report = prof.profile_steps("t=tiny", common=SMALL + ["train.device=cuda"], steps=2, warmup=2,
+                                device_only=True, measure=False)
+    assert report.device_only and not report.groups and report.kernels
+    t = report.timeline
+    assert t and 0 < t["busy_us"] < t["span_us"] and sum(b["count"] for b in t["by_length"]) == t["gaps"]
+    assert sum(b["idle_us"] for b in t["by_length"]) == pytest.approx(t["idle_us"])
+    assert report.wall_us >= t["span_us"] * 0.99  # the device's span lies inside the host's clock
+    assert "device activity only recorded" in prof.render_markdown(report)
+
+
+def test_device_only_needs_a_gpu():
+    with pytest.raises(ConfigError, match="--device-only"):
+        prof.profile_steps("t=tiny", common=SMALL + ["train.device=cpu"], steps=1, warmup=0, device_only=True)
 
 
 @pytest.mark.gpu

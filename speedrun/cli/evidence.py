@@ -272,6 +272,8 @@ def _add_profile(sub) -> None:
     p.add_argument("--ncu-timeout", type=float, metavar="S", help="with --ncu: give up after S seconds (clear error)")
     p.add_argument("--stacks", action="store_true",
                    help="record Python stacks: name the source line behind each op row (slower profiling)")
+    p.add_argument("--device-only", action="store_true",
+                   help="record GPU activity alone (no op rows): the timeline's idle gaps as in an unprofiled step")
     p.add_argument("--top", type=int, default=30, help="rows per table on screen (default 30)")
     p.add_argument("--device", help="cpu, cuda or auto (sets train.device)")
     _arm_common(p)

@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -399,6 +400,11 @@ def kernel_table(events: Iterable) -> list[dict]:
     return sorted(out.values(), key=lambda r: -r["time_us"])
 
 
+# Gap lengths the timeline sorts idle time into (µs, lower bounds): the first buckets are the
+# launch latency between dependent kernels in a full queue, the last ones host work or waits.
+GAP_BUCKETS_US = (0.0, 5.0, 20.0, 100.0, 1000.0)
+
+
 def gpu_timeline(events: Iterable, top: int = 12) -> dict[str, Any] | None:
     """Busy and idle time of the device over the profiled window, and where it idles.
 
@@ -406,8 +412,9 @@ def gpu_timeline(events: Iterable, top: int = 12) -> dict[str, Any] | None:
     union; ``span_us`` runs from the first start to the last end, ``busy_us`` is the union's length
     and ``idle_us`` the rest.  Each gap is charged to the pair (kernel that ended last before it,
     kernel that starts it), by base name: a large total at one pair points at host work between
-    two launches (Python, small ops, a sync).  Returns None without device events.  Times in µs
-    over all profiled steps."""
+    two launches (Python, small ops, a sync); ``by_length`` sorts the gaps by length
+    (:data:`GAP_BUCKETS_US`), which separates the latency between back-to-back kernels from
+    host stalls.  Returns None without device events.  Times in µs over all profiled steps."""
     from torch.autograd import DeviceType
 
     iv = sorted((float(e.time_range.start), float(e.time_range.end), e.name) for e in events
@@ -417,14 +424,19 @@ def gpu_timeline(events: Iterable, top: int = 12) -> dict[str, Any] | None:
     first, cur_end, prev = iv[0][0], iv[0][1], iv[0][2]
     busy, block_start = 0.0, first
     gaps: dict[tuple[str, str], list] = {}
+    by_length = [[lo, hi, 0, 0.0] for lo, hi in zip(GAP_BUCKETS_US, GAP_BUCKETS_US[1:] + (float("inf"),))]
     n_gaps = 0
     for start, end, name in iv[1:]:
         if start > cur_end:
             busy += cur_end - block_start
+            gap = start - cur_end
             g = gaps.setdefault((kernel_key(prev)[:70], kernel_key(name)[:70]), [0.0, 0])
-            g[0] += start - cur_end
+            g[0] += gap
             g[1] += 1
             n_gaps += 1
+            bucket = next(b for b in by_length if gap < b[1])
+            bucket[2] += 1
+            bucket[3] += gap
             block_start = start
         if end >= cur_end:
             cur_end, prev = end, name
@@ -432,7 +444,8 @@ def gpu_timeline(events: Iterable, top: int = 12) -> dict[str, Any] | None:
     span = cur_end - first
     ranked = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
     return {"span_us": span, "busy_us": busy, "idle_us": span - busy, "gaps": n_gaps,
-            "top_gaps": [{"before": b, "after": a, "idle_us": us, "count": c} for (b, a), (us, c) in ranked]}
+            "top_gaps": [{"before": b, "after": a, "idle_us": us, "count": c} for (b, a), (us, c) in ranked],
+            "by_length": [{"min_us": lo, "max_us": hi, "count": c, "idle_us": us} for lo, hi, c, us in by_length]}
 
 
 def kernel_needed_bytes(groups: Sequence[OpGroup]) -> dict[str, float]:
@@ -619,6 +632,8 @@ class ProfileReport:
     total_us: float = 0.0
     notes: list[str] = field(default_factory=list)
     timeline: dict[str, Any] | None = None  # gpu_timeline() of the profiled steps
+    wall_us: float | None = None  # host wall clock over the profiled steps (synchronized at both ends)
+    device_only: bool = False  # recorded device activity only (no ops, shapes or host-side events)
 
     def to_dict(self) -> dict[str, Any]:
         rows = []
@@ -632,7 +647,8 @@ class ProfileReport:
                          "recoverable_us": g.recoverable_us, "kernels": g.kernels, "sources": g.sources})
         return {"arm": self.arm, "device": self.device, "steps": self.steps, "ceilings": asdict(self.ceilings),
                 "total_us": self.total_us, "ops": rows, "kernels": self.kernels, "ncu": self.ncu,
-                "timeline": self.timeline, "notes": self.notes}
+                "timeline": self.timeline, "wall_us": self.wall_us, "device_only": self.device_only,
+                "notes": self.notes}
 
 
 def measure_ceilings(device) -> Ceilings:
@@ -644,13 +660,17 @@ def measure_ceilings(device) -> Ceilings:
 
 def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int = 3, warmup: int = 2,
                   ceilings: Ceilings | None = None, measure: bool = True, ncu: bool = False,
-                  stacks: bool = False, ncu_options: NcuOptions | None = None) -> ProfileReport:
+                  stacks: bool = False, ncu_options: NcuOptions | None = None,
+                  device_only: bool = False) -> ProfileReport:
     """Profile ``steps`` optimizer steps of ``arm`` (an ArmSpec or ``NAME=PRESET[:overrides]``).
 
     Ceilings: ``ceilings`` if given, else measured on a GPU when ``measure``, else none (then no
     floors).  ``ncu``: also measure DRAM bytes per kernel under Nsight Compute (GPU only), with
     ``ncu_options`` (which kernels, how many launches, timeout).
     ``stacks``: record Python stacks, so each op group names the line that called it (slower).
+    ``device_only``: record device activity only (kernels, copies; GPU only): no op table, but the
+    profiler adds little host time, so the timeline's idle gaps are close to an unprofiled step's
+    (with host events recorded the step takes ~1.6x as long and every gap grows).
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -670,6 +690,8 @@ def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int
     on_gpu = info.device.type == "cuda"
     if ncu and not on_gpu:
         raise ConfigError("--ncu needs a CUDA GPU (Nsight Compute measures GPU kernels)")
+    if device_only and (not on_gpu or stacks or ncu):
+        raise ConfigError("--device-only records GPU activity alone: it needs a CUDA GPU and excludes --stacks and --ncu")
     session = build_session(spec.name, cfg, stage, info)
     notes = []
     try:
@@ -680,15 +702,18 @@ def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int
                 ceilings = measure_ceilings(info.device)
             else:
                 ceilings = Ceilings()
-                notes.append("no ceilings: pass --peak-tflops and --peak-tbps for floors on the CPU")
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+                notes.append("no ceilings (--no-measure): no floors" if on_gpu else
+                             "no ceilings: pass --peak-tflops and --peak-tbps for floors on the CPU")
+        activities = ([] if device_only else [ProfilerActivity.CPU]) + ([ProfilerActivity.CUDA] if on_gpu else [])
         if on_gpu:
             torch.cuda.synchronize(info.device)
-        with profile(activities=activities, record_shapes=True, with_stack=stacks) as prof:
+        with profile(activities=activities, record_shapes=not device_only, with_stack=stacks) as prof:
+            t0 = time.perf_counter()
             for _ in range(steps):
                 session.step()
             if on_gpu:
                 torch.cuda.synchronize(info.device)
+            wall_us = (time.perf_counter() - t0) * 1e6
     finally:
         session.close()
     events = prof.events()
@@ -697,7 +722,11 @@ def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int
     kernels = kernel_table(events) if on_gpu else []
     total = sum(k["time_us"] for k in kernels) if on_gpu else sum(g.time_us for g in groups)
     report = ProfileReport(spec.name, str(info.device), steps, ceilings, groups, kernels, total_us=total, notes=notes,
-                           timeline=gpu_timeline(events) if on_gpu else None)
+                           timeline=gpu_timeline(events) if on_gpu else None, wall_us=wall_us,
+                           device_only=device_only)
+    if device_only:
+        report.notes.append("device activity only: kernels and the timeline, no op rows (run without "
+                            "--device-only for those)")
     if on_gpu:
         need = kernel_needed_bytes(groups)
         for k in kernels:
@@ -818,13 +847,24 @@ def render_markdown(report: ProfileReport, roofline_png: str | None = None, top:
                          f"| {_fmt_bytes(None if nb is None else nb / n)} | {ratio} |")
     t = report.timeline
     if t:
+        under = ("device activity only recorded: little profiler host cost" if report.device_only
+                 else "under the profiler, whose host overhead lengthens gaps")
+        wall = f"; host wall {per(report.wall_us):.3f} ms/step" if report.wall_us else ""
         lines += ["", "## GPU timeline: busy and idle", "",
-                  f"Span {per(t['span_us']):.3f} ms/step, busy {per(t['busy_us']):.3f} ms/step "
+                  f"Span {per(t['span_us']):.3f} ms/step{wall}, busy {per(t['busy_us']):.3f} ms/step "
                   f"({100.0 * t['busy_us'] / t['span_us']:.1f}%), idle {per(t['idle_us']):.3f} ms/step in "
-                  f"{t['gaps'] / n:g} gaps/step (under the profiler, whose host overhead lengthens gaps).", "",
+                  f"{t['gaps'] / n:g} gaps/step ({under}).", "",
                   "| idle after | idle before | gaps/step | idle ms/step |", "| --- | --- | ---: | ---: |"]
         for g in t["top_gaps"]:
             lines.append(f"| `{g['before']}` | `{g['after']}` | {g['count'] / n:g} | {per(g['idle_us']):.4f} |")
+        if t.get("by_length"):
+            lines += ["", "Gaps by length (short ones: latency between back-to-back kernels; long ones: "
+                      "the device waited for the host):", "",
+                      "| gap length | gaps/step | idle ms/step |", "| --- | ---: | ---: |"]
+            for b in t["by_length"]:
+                hi = "" if b["max_us"] == float("inf") else f"{b['max_us']:g}"
+                label = f">= {b['min_us']:g} us" if not hi else f"{b['min_us']:g}-{hi} us"
+                lines.append(f"| {label} | {b['count'] / n:g} | {per(b['idle_us']):.4f} |")
     if roofline_png:
         lines += ["", "## Roofline", "", f"![roofline]({roofline_png})"]
     return "\n".join(lines) + "\n"
@@ -902,7 +942,8 @@ def cli_profile(args) -> int:
     ceilings = Ceilings(*given, "given") if given[0] is not None else None
     report = profile_steps(arm, common=common, stage=args.stage, steps=args.steps, warmup=args.warmup,
                            ceilings=ceilings, measure=not args.no_measure, ncu=args.ncu, stacks=args.stacks,
-                           ncu_options=NcuOptions(args.ncu_kernels, args.ncu_launches, args.ncu_timeout))
+                           ncu_options=NcuOptions(args.ncu_kernels, args.ncu_launches, args.ncu_timeout),
+                           device_only=args.device_only)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     paths = write_profile(report, args.out or f"profile-{arm.name}")

@@ -44,11 +44,12 @@ calibrates from its own amax (one extra GEMM).
 Kernels.  One fused GEMM, :func:`relu2_gemm`, in two variants behind one dispatcher: a plain
 pointer-load kernel (any strides; runs in the CPU interpreter, ``TRITON_INTERPRET=1``, at small
 shapes) and, on sm90 with K-major contiguous operands, a persistent TMA-descriptor kernel
-(``USE_TMA``); both share one epilogue.  ``impl="tma"`` (the default except for the FP8 dpre) adds
+(``USE_TMA``); both share one epilogue.  ``impl="tma"`` (the default) adds
 a persistent kernel whose epilogue also goes through TMA (``post`` loaded, outputs stored by
 descriptor in half tiles, the transposed FP8 layout as transposed boxes; it runs in the
-interpreter too) wherever every tensor is TMA-ready.  A third route, ``impl="split"`` (the module default
-``GEMM_IMPL`` picks per direction and dtype: split for the FP8 dpre only, from H200 timings), runs the GEMM through cuBLAS into a bf16 temporary and the same epilogue as a
+interpreter too) wherever every tensor is TMA-ready.  A third route, ``impl="split"`` (the module
+default ``GEMM_IMPL`` can pick a route per direction and dtype; from H200 timings it is "tma" for
+all four now), runs the GEMM through cuBLAS into a bf16 temporary and the same epilogue as a
 bandwidth-bound Triton pass: it trades two passes over an (M, N) bf16 tensor for cuBLAS's faster
 mainloop (benchmarks/bench_mlp.py times both, interleaved).  FP8 outputs are produced as bit patterns by integer
 arithmetic and stored through uint8 views: a kernel that stores an FP8 tile both row-major and
@@ -433,7 +434,9 @@ TMA_CONFIGS = {
 # impl "tma" (:func:`_relu2_gemm_tma_store_kernel`, epilogue through TMA too), same keys.
 TMA_STORE_CONFIGS = {
     "bf16": (128, 256, 64, 8, 8, 3),
-    "fp8": (128, 256, 128, 8, 8, 3),
+    # the FP8 dpre (e5m2 both layouts): 256 x 128 tiles 0.465 ms against 0.489 for 128 x 256 and
+    # 0.487 for the split route (H200, T = 49,152, bench_mlp --sweep, 2026-12-04)
+    "fp8": (256, 128, 128, 8, 8, 3),
     "fp8_fwd": (128, 256, 128, 8, 8, 3),
 }
 USE_TMA = True
@@ -445,9 +448,10 @@ TMA_FLATTEN = True
 # mainloop).  Either one string for every call, or a choice per (direction, operand dtype).
 # H200, T = 49,152, 2026-12-03 (benchmarks/bench_mlp.py, 7 interleaved rounds, split/fused): FP8
 # up 1.22 (both layouts) and 1.10 (fp8_fwd), bf16 up 1.26, FP8 dpre 0.871 -> split for the FP8
-# dpre.  "tma" for the rest: upstream's epilogue design (docs/perf-notes.md, thirteenth session).
+# dpre, until the TMA epilogue with 256 x 128 tiles beat it (0.465 vs 0.487 ms, 2026-12-04).
+# "tma" everywhere: upstream's epilogue design (docs/perf-notes.md, thirteenth and fourteenth sessions).
 DEFAULT_GEMM_IMPL: dict[tuple[str, bool], str] = {
-    ("up", True): "tma", ("up", False): "tma", ("dpre", True): "split", ("dpre", False): "tma",
+    ("up", True): "tma", ("up", False): "tma", ("dpre", True): "tma", ("dpre", False): "tma",
 }
 GEMM_IMPL: str | dict[tuple[str, bool], str] = DEFAULT_GEMM_IMPL  # train.mlp_gemm sets it
 GEMM_IMPLS = ("fused", "tma", "split")

@@ -59,6 +59,7 @@ from speedrun.attention import get_backend
 from speedrun.config import ModelConfig
 from speedrun.data.loader import bigram_hash
 from speedrun.errors import ConfigError
+from speedrun.model.embedding_grad import EmbeddingGradAccumulator
 from speedrun.model.interface import ForwardArgs
 from speedrun.model.record_parts import (
     GateLayout,
@@ -326,6 +327,8 @@ class RecordGPT(nn.Module):
         self._backends: dict[torch.device, object] = {}
         self._hidden_fn = None  # torch.compile'd hidden (compile_body), else the eager method
         self._kernel_handles: dict[tuple, int] = {}
+        self._embedding_grads = (None if model_cfg.embedding_grad == "autograd"
+                                 else EmbeddingGradAccumulator(model_cfg.embedding_grad))
         if model_cfg.qkv_path != "reference":
             self._register_qkv_kernels()
 
@@ -825,6 +828,8 @@ class RecordGPT(nn.Module):
         super().__setstate__(state)
         self._hidden_fn = None
         self._kernel_handles = {}
+        if self._embedding_grads is not None:  # the original's accumulators belong to its parameters
+            self._embedding_grads = EmbeddingGradAccumulator(self._embedding_grads.method)
         if self.cfg.qkv_path != "reference":
             self._register_qkv_kernels()
 
@@ -858,26 +863,54 @@ class RecordGPT(nn.Module):
         bd = self.bigram_dim
         return torch.cat((x[:, :bd] + xb * g, x[:, bd:]), dim=-1)
 
-    def hidden(self, batch, args: ForwardArgs = ForwardArgs()) -> torch.Tensor:
+    def _bigram_rows(self, batch, inputs: torch.Tensor) -> torch.Tensor:
+        bigram_idx = getattr(batch, "bigram", None)
+        return (bigram_hash(inputs, self.bigram_mod) if bigram_idx is None else bigram_idx).long()
+
+    def embedding_lookups(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The embedding tables' rows for ``batch``, looked up outside the compiled network so their
+        gradient accumulates in place (``model.embedding_grad`` "atomic" or "sorted"): ``embed[inputs]``
+        (T, D), ``bigram_embed[bigram]`` (T, bigram_dim) before its signs, and the value
+        embeddings (n_ve, T, D).  :meth:`flush_embedding_grads` moves the gradients to ``.grad``."""
+        if self._embedding_grads is None:
+            raise RuntimeError("embedding_lookups needs model.embedding_grad='atomic' or 'sorted'")
+        inputs = batch.inputs.long()
+        if inputs.dim() != 1:
+            raise ValueError(f"RecordGPT: batch.inputs must be (T,), got {tuple(inputs.shape)}")
+        acc, T = self._embedding_grads, inputs.shape[0]
+        offsets = torch.arange(0, self.num_ve * self.vocab, self.vocab, device=inputs.device)
+        return (acc.lookup(self.embed, inputs), acc.lookup(self.bigram_embed, self._bigram_rows(batch, inputs)),
+                acc.lookup(self.value_embeds, (offsets[:, None] + inputs).reshape(-1)).view(self.num_ve, T, -1))
+
+    def flush_embedding_grads(self) -> None:
+        """Hand the embedding tables' gradients accumulated since the last call to their ``.grad``
+        (the training step calls this once per optimizer step, before the gradient reduction).
+        No-op with ``model.embedding_grad="autograd"``."""
+        if self._embedding_grads is not None:
+            self._embedding_grads.flush()
+
+    def hidden(self, batch, args: ForwardArgs = ForwardArgs(), lookups=None) -> torch.Tensor:
         """Final normalised hidden states (T, D) of ``batch`` (fields inputs, cu_seqlens, max_seqlen,
-        optional bigram)."""
+        optional bigram).  ``lookups``: :meth:`embedding_lookups` of the batch, when done outside."""
         a, L, H, D, dv = self.arch, self.num_layers, self.num_heads, self.model_dim, self.v_dim
         inputs = batch.inputs.long()
         if inputs.dim() != 1:
             raise ValueError(f"RecordGPT: batch.inputs must be (T,), got {tuple(inputs.shape)}")
         T = inputs.shape[0]
         cu_seqlens, max_seqlen = batch.cu_seqlens, int(batch.max_seqlen)
-        bigram_idx = getattr(batch, "bigram", None)
-        if bigram_idx is None:
-            bigram_idx = bigram_hash(inputs, self.bigram_mod)
 
-        x = F.embedding(inputs, self.embed)
+        if lookups is None:
+            x = F.embedding(inputs, self.embed)
+            bigram_rows = F.embedding(self._bigram_rows(batch, inputs), self.bigram_embed)
+            ve_all = self.value_embeds.view(self.num_ve, self.vocab, D)[:, inputs]
+        else:
+            x, bigram_rows, ve_all = lookups
         signs = self.bigram_sign_table[bigram_sign_index(inputs, a.bigram_sign_rows)]
-        xb = F.embedding(bigram_idx.long(), self.bigram_embed) * signs.type_as(self.bigram_embed)
+        xb = bigram_rows * signs.type_as(self.bigram_embed)
         xb = xb.type_as(x)
         # n_ve tensors (T, D), unbound once: their gradient is then one stack (per-layer ve[j] indexing
         # summed zero-padded select_backwards over the whole (n_ve, T, D), ~1.1 ms per stage-3 micro-batch)
-        ve = self.value_embeds.view(self.num_ve, self.vocab, D)[:, inputs].type_as(x).unbind(0)
+        ve = ve_all.type_as(x).unbind(0)
 
         smear_lambda = self.scalars[2 * L]
         skip_lambda = self.scalars[2 * L + 1]
@@ -965,7 +998,10 @@ class RecordGPT(nn.Module):
 
     def per_token_training_loss(self, batch, args: ForwardArgs = ForwardArgs()) -> torch.Tensor:
         """(T,) float32: multi-token + prefix-token CE per position (before averaging)."""
-        h = (self._hidden_fn or self.hidden)(batch, args)
+        lookups = None
+        if self._embedding_grads is not None and torch.is_grad_enabled():
+            lookups = self.embedding_lookups(batch)
+        h = (self._hidden_fn or self.hidden)(batch, args, lookups)
         targets = batch.targets.long()
         prefix = None
         if not (isinstance(args.prefix_weight, (int, float)) and args.prefix_weight == 0):

@@ -153,6 +153,9 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
         recipe.after_backward(batch)
         total += loss.detach()
         mark("after_backward")
+    flush = getattr(model, "flush_embedding_grads", None)
+    if flush is not None:  # embedding tables' gradients accumulated in place (model.embedding_grad)
+        flush()
     if not recipe.grads_reduced_by_optimizer:
         distributed.all_reduce_mean_([p.grad for p in model.parameters() if p.grad is not None], info)
     mark("grad_reduce")

@@ -1,0 +1,98 @@
+"""Embedding lookups whose gradient accumulates in place, once per optimizer step.
+
+Autograd's gradient of a row lookup ``weight[rows]`` is a dense tensor of the table's size:
+zeros, the looked-up rows' gradients scattered in, and from the second micro-batch of a step on
+a dense add into ``weight.grad``.  The record's tables are large (embed 50,304 x 768, value
+embeddings 5x that, bigram 7.5x: 521 M entries, 1.04 GB in bf16), so every micro-batch writes,
+reads and adds gigabytes to deliver 49,152 rows (stage-3 profile: ~15 ms per step in zeros,
+scatters and bf16 adds).  Here the backward adds the rows' gradients straight into an fp32
+accumulator of the table (``index_add_``: the bytes of the rows only), and
+:meth:`EmbeddingGradAccumulator.flush` hands the sum to ``weight.grad`` once per step: one pass
+over each table instead of three per micro-batch (the adds: one Triton pass,
+:mod:`speedrun.kernels.row_accumulate`).  The sum over micro-batches is kept in fp32
+(autograd's route rounds to bf16 after every micro-batch), so the result is at least as exact.
+
+The price is an explicit step: until :meth:`flush` runs, ``weight.grad`` lacks the gradients of
+the lookups since the last flush (the training step calls it before the gradient reduction;
+:meth:`pending` tells whether anything is waiting).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The row-add kernels of speedrun.kernels.row_accumulate (its METHODS; not imported here: it needs Triton).
+METHODS = ("atomic", "sorted")
+
+
+class _AccumulatingLookup(torch.autograd.Function):
+    """``weight[rows]`` forward; backward adds the output gradient's rows into ``acc`` (fp32,
+    ``weight``'s shape) and returns no gradient for ``weight``."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, rows: torch.Tensor, acc: torch.Tensor, method: str) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        ctx.acc, ctx.method = acc, method
+        return weight.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (rows,) = ctx.saved_tensors
+        if grad.is_cuda:
+            from speedrun.kernels.row_accumulate import accumulate_rows
+
+            accumulate_rows(ctx.acc, rows, grad, ctx.method)
+        else:  # the kernels' reference (their own tests run them in Triton's CPU interpreter)
+            ctx.acc.index_add_(0, rows, grad.to(ctx.acc.dtype))
+        return None, None, None, None
+
+
+class EmbeddingGradAccumulator:
+    """fp32 gradient accumulators for embedding tables, one per parameter (allocated on first use).
+
+    ``lookup(weight, rows)``: ``weight[rows]`` (``rows`` 1-D integer indices into the first dim)
+    whose gradient goes into the accumulator when autograd reaches it.  ``flush()``: add each
+    accumulator into its parameter's ``.grad`` (created when None) and zero it.  ``method``: how
+    the backward adds rows, "atomic" or "sorted" (:mod:`speedrun.kernels.row_accumulate`)."""
+
+    def __init__(self, method: str = "atomic") -> None:
+        if method not in METHODS:
+            raise ValueError(f"EmbeddingGradAccumulator: method must be one of {', '.join(METHODS)}, got {method!r}")
+        self.method = method
+        self._acc: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        self._pending = False
+
+    def lookup(self, weight: torch.nn.Parameter, rows: torch.Tensor) -> torch.Tensor:
+        if rows.dim() != 1:
+            raise ValueError(f"EmbeddingGradAccumulator.lookup: rows must be 1-D, got shape {tuple(rows.shape)}")
+        if not (torch.is_grad_enabled() and weight.requires_grad):
+            return weight.index_select(0, rows)
+        entry = self._acc.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[1].shape != weight.shape or entry[1].device != weight.device:
+            entry = self._acc[id(weight)] = (weight, torch.zeros(weight.shape, dtype=torch.float32, device=weight.device))
+        self._pending = True
+        return _AccumulatingLookup.apply(weight, rows, entry[1], self.method)
+
+    def pending(self) -> bool:
+        """True when lookups ran with gradient since the last :meth:`flush` (their backward may
+        have added to the accumulators)."""
+        return self._pending
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """``weight.grad += acc`` (fp32 sum, one rounding to the parameter's dtype) for every
+        table, then the accumulators are zeroed.  No-op when nothing is pending."""
+        if not self._pending:
+            return
+        for weight, acc in self._acc.values():
+            if weight.grad is None:
+                weight.grad = acc.to(weight.dtype, copy=True)  # (an fp32 table would otherwise alias acc)
+            else:
+                weight.grad.add_(acc)
+            acc.zero_()
+        self._pending = False
+
+    def clear(self) -> None:
+        """Drop the accumulators and anything pending (a step abandoned before its flush)."""
+        self._acc.clear()
+        self._pending = False
