@@ -78,6 +78,22 @@ def test_kernel_at_record_vocab(grad_dtype):
     assert rel(dlogits, ref_exact) < (1e-2 if grad_dtype == torch.bfloat16 else 0.08)
 
 
+@pytest.mark.parametrize("n", [8192, 49152 - 40])
+def test_kernel_transposed_gradient_at_record_vocab(n):
+    """dlogits_t_out at the record's vocabulary (the default 32 rows per program; a ragged last
+    block): byte-equal to the row-major dlogits transposed, which is as without it."""
+    from speedrun.kernels.cross_entropy import transpose_fp8
+
+    logits = (torch.randn(n, V_PAD, device="cuda") * 6).to(torch.bfloat16)
+    targets, prefix = batch(n, seed=2)
+    kw = dict(vocab_size=VOCAB, grad_out_scale=1 / GRAD_UNIT_SCALE, grad_dtype=torch.float8_e5m2)
+    want_l, want_d = softcapped_ce_fwd_bwd(logits, targets, MTP, prefix, 0.25, **kw)
+    dt = torch.full((V_PAD, n), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e5m2)  # NaN
+    losses, d = softcapped_ce_fwd_bwd(logits, targets, MTP, prefix, 0.25, dlogits_t_out=dt, **kw)
+    assert torch.equal(losses, want_l) and torch.equal(d.view(torch.uint8), want_d.view(torch.uint8))
+    assert torch.equal(dt.view(torch.uint8), transpose_fp8(d).view(torch.uint8))
+
+
 def test_kernel_full_record_batch_losses():
     n = 49152
     logits = (torch.randn(n, V_PAD, device="cuda") * 6).to(torch.bfloat16)
