@@ -880,7 +880,8 @@ class RecordGPT(nn.Module):
         acc, T = self._embedding_grads, inputs.shape[0]
         offsets = torch.arange(0, self.num_ve * self.vocab, self.vocab, device=inputs.device)
         return (acc.lookup(self.embed, inputs), acc.lookup(self.bigram_embed, self._bigram_rows(batch, inputs)),
-                acc.lookup(self.value_embeds, (offsets[:, None] + inputs).reshape(-1)).view(self.num_ve, T, -1))
+                acc.lookup(self.value_embeds, (offsets[:, None] + inputs).reshape(-1))
+                .view(self.num_ve, T, self.value_embeds.shape[1]))
 
     def flush_embedding_grads(self) -> None:
         """Hand the embedding tables' gradients accumulated since the last call to their ``.grad``
