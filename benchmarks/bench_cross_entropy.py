@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="also time a torch.compile'd reference")
     p.add_argument("--sweep", action="store_true", help="sweep CE kernel block sizes / warps")
     p.add_argument("--skip-eager", action="store_true", help="skip the (memory-hungry) eager reference")
+    p.add_argument("--sm-clock-mhz", type=float, default=1980.0,
+                   help="SM clock for the SFU floor (H200 boost: 1980)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_cross_entropy: needs a CUDA GPU", file=sys.stderr)
@@ -76,17 +78,27 @@ def main(argv: list[str] | None = None) -> int:
     def bench(fn, grad_to_none=None) -> float:
         return do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median")
 
-    # --- the CE kernel alone, on precomputed bf16 logits
-    for label, gdtype, scale in (("ce_kernel_e5m2", torch.float8_e5m2, 1 / GRAD_UNIT_SCALE),
-                                 ("ce_kernel_bf16", torch.bfloat16, 1.0)):
-        out_l = torch.empty(n, device=dev)
-        out_d = torch.empty(n, v, device=dev, dtype=gdtype)
-        fn = lambda: softcapped_ce_fwd_bwd(  # noqa: E731
-            logits, targets, mtp, prefix, pw, vocab_size=vocab, grad_out_scale=scale, grad_dtype=gdtype,
-            losses_out=out_l, dlogits_out=out_d,
-        )
-        moved = n * v * 2 * 2 + n * v * out_d.element_size()
-        record(label, bench(fn), bytes_moved=moved, min_bytes=n * v * (2 + out_d.element_size()))
+    # --- the CE kernel alone, on precomputed bf16 logits.  The softcap's sigmoid (train.ce_sigmoid):
+    # "exact" costs two special-function-unit (SFU) instructions per logit and pass (ex2, rcp) plus
+    # the softmax's ex2, "tanh" one (tanh.approx) plus the ex2: 6 or 4 per logit over both passes.
+    # sfu_floor_ms: those instructions at 16 per clock per SM (Hopper) and --sm-clock-mhz.
+    # Rounds alternate the two so drifting clocks hit both alike.
+    sms_all = torch.cuda.get_device_properties(dev).multi_processor_count
+    sfu_rate = sms_all * 16 * args.sm_clock_mhz * 1e6  # instructions per second
+    for rnd in range(2):
+        for label, gdtype, scale in (("ce_kernel_e5m2", torch.float8_e5m2, 1 / GRAD_UNIT_SCALE),
+                                     ("ce_kernel_bf16", torch.bfloat16, 1.0)):
+            out_l = torch.empty(n, device=dev)
+            out_d = torch.empty(n, v, device=dev, dtype=gdtype)
+            for sig, sfu_ops in (("exact", 6), ("tanh", 4)):
+                fn = lambda: softcapped_ce_fwd_bwd(  # noqa: E731
+                    logits, targets, mtp, prefix, pw, vocab_size=vocab, grad_out_scale=scale, grad_dtype=gdtype,
+                    losses_out=out_l, dlogits_out=out_d, sigmoid=sig,
+                )
+                moved = n * v * 2 * 2 + n * v * out_d.element_size()
+                record(f"{label}{'' if sig == 'exact' else '_tanh'}{'' if rnd == 0 else '_again'}", bench(fn),
+                       bytes_moved=moved, min_bytes=n * v * (2 + out_d.element_size()),
+                       sfu_floor_ms=n * vocab * sfu_ops / sfu_rate * 1e3)
 
     # --- the FP8 head's transposed gradient: a separate pass, or written by the CE kernel itself
     # (train.ce_transpose); min_bytes: one read of the logits + both e5m2 layouts written
@@ -100,12 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     record("ce_kernel_e5m2_then_transpose",
            bench(lambda: transpose_fp8(softcapped_ce_fwd_bwd(logits, targets, mtp, prefix, pw, **e5m2)[1])),
            bytes_moved=n * v * 2 * 2 + n * v * 3, min_bytes=n * v * 4)
-    emit_configs = [(None, None, 4)] + ([(16, 128, 4), (32, 64, 4), (32, 256, 8), (64, 128, 8)] if args.sweep else [])
-    for block_m, block_v, warps in emit_configs:
+    record("ce_kernel_e5m2_tanh_then_transpose",
+           bench(lambda: transpose_fp8(softcapped_ce_fwd_bwd(logits, targets, mtp, prefix, pw, sigmoid="tanh",
+                                                             **e5m2)[1])),
+           bytes_moved=n * v * 2 * 2 + n * v * 3, min_bytes=n * v * 4)
+    emit_configs = [(None, None, 4, "exact"), (None, None, 4, "tanh")]
+    if args.sweep:
+        emit_configs += [(m, bv, w, "tanh") for m, bv, w in ((16, 128, 4), (32, 64, 4), (32, 256, 8), (64, 128, 8))]
+    for block_m, block_v, warps, sig in emit_configs:
         fn = lambda: softcapped_ce_fwd_bwd(  # noqa: E731
             logits, targets, mtp, prefix, pw, dlogits_t_out=out_t, block_m=block_m, block_v=block_v,
-            num_warps=warps, **e5m2)
-        label = "ce_kernel_e5m2_emit_t" + ("" if block_m is None else f"_m{block_m}_v{block_v}_w{warps}")
+            num_warps=warps, sigmoid=sig, **e5m2)
+        label = ("ce_kernel_e5m2_emit_t" + ("" if sig == "exact" else "_tanh")
+                 + ("" if block_m is None else f"_m{block_m}_v{block_v}_w{warps}"))
         try:
             record(label, bench(fn), bytes_moved=n * v * 2 * 2 + n * v * 2, min_bytes=n * v * 4)
         except Exception as e:  # a config may not compile (registers, shared memory)
@@ -113,22 +132,24 @@ def main(argv: list[str] | None = None) -> int:
     del out_t
 
     if args.sweep:
-        for block_m in (1, 2):
-            for block_v in (512, 1024, 2048, 4096):
-                for warps in (2, 4, 8):
-                    if block_v // (32 * warps) < 2:
-                        continue
-                    fn = lambda: softcapped_ce_fwd_bwd(  # noqa: E731
-                        logits, targets, mtp, prefix, pw, vocab_size=vocab, grad_out_scale=1 / GRAD_UNIT_SCALE,
-                        grad_dtype=torch.float8_e5m2, losses_out=out_l, dlogits_out=out_d,
-                        block_m=block_m, block_v=block_v, num_warps=warps,
-                    )
-                    try:
-                        ms = bench(fn)
-                    except Exception as e:  # a config may not compile (registers, shared memory)
-                        print(f"sweep m={block_m} v={block_v} w={warps}: failed {type(e).__name__}", flush=True)
-                        continue
-                    record(f"sweep_m{block_m}_v{block_v}_w{warps}", ms, bytes_moved=n * v * 5)
+        for sig in ("exact", "tanh"):
+            for block_m in (1, 2):
+                for block_v in (512, 1024, 2048, 4096):
+                    for warps in (2, 4, 8):
+                        if block_v // (32 * warps) < 2:
+                            continue
+                        fn = lambda: softcapped_ce_fwd_bwd(  # noqa: E731
+                            logits, targets, mtp, prefix, pw, vocab_size=vocab, grad_out_scale=1 / GRAD_UNIT_SCALE,
+                            grad_dtype=torch.float8_e5m2, losses_out=out_l, dlogits_out=out_d,
+                            block_m=block_m, block_v=block_v, num_warps=warps, sigmoid=sig,
+                        )
+                        label = f"sweep_{sig}_m{block_m}_v{block_v}_w{warps}"
+                        try:
+                            ms = bench(fn)
+                        except Exception as e:  # a config may not compile (registers, shared memory)
+                            print(f"{label}: failed {type(e).__name__}", flush=True)
+                            continue
+                        record(label, ms, bytes_moved=n * v * 5)
         # Persistent grids: at most k programs per SM, each looping over rows, so fewer 100 KB
         # rows are in flight and the gradient pass can re-read them from L2 (ncu measured 2.0x
         # the logits' bytes read with one program per row).  min_bytes: one read + the e5m2 write.

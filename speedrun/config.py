@@ -210,6 +210,10 @@ class TrainConfig:
     # "separate" (a transpose pass in the backward) or "fused" (the cross-entropy kernel stores
     # both layouts from its tiles; speedrun.kernels.cross_entropy; process-wide): an A/B arm
     ce_transpose: str = "separate"
+    # How the cross-entropy kernel evaluates the softcap's sigmoid: "exact" (exp2 + reciprocal) or
+    # "tanh" (the GPU's approximate tanh, one instruction; training loss and gradient only, the
+    # validation loss stays exact; speedrun.kernels.cross_entropy.SIGMOID; process-wide)
+    ce_sigmoid: str = "exact"
     preflight: bool = False  # run `speedrun doctor` checks first and refuse a broken environment
     sample_tokens: int = 200
     sample_prompt: str = "The "

@@ -108,17 +108,20 @@ def test_reference_without_softcap_is_raw_logits():
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    "k, with_prefix, grad_dtype, softcap, block_m, block_v",
+    "k, with_prefix, grad_dtype, softcap, block_m, block_v, sigmoid",
     [
-        (1, False, torch.float32, DEFAULT_SOFTCAP, 64, 512),
-        (2, True, torch.float32, DEFAULT_SOFTCAP, 16, 128),
-        (3, True, torch.bfloat16, DEFAULT_SOFTCAP, 64, 128),
-        (3, False, torch.float8_e5m2, DEFAULT_SOFTCAP, 32, 256),
-        (3, True, torch.float8_e5m2, DEFAULT_SOFTCAP, 64, 512),
-        (2, True, torch.float32, None, 64, 128),
+        (1, False, torch.float32, DEFAULT_SOFTCAP, 64, 512, "exact"),
+        (2, True, torch.float32, DEFAULT_SOFTCAP, 16, 128, "exact"),
+        (3, True, torch.bfloat16, DEFAULT_SOFTCAP, 64, 128, "exact"),
+        (3, False, torch.float8_e5m2, DEFAULT_SOFTCAP, 32, 256, "exact"),
+        (3, True, torch.float8_e5m2, DEFAULT_SOFTCAP, 64, 512, "exact"),
+        (2, True, torch.float32, None, 64, 128, "exact"),
+        # the tanh identity's constants (an exact tanh here; the GPU's approximate one in tests/gpu)
+        (2, True, torch.float32, DEFAULT_SOFTCAP, 16, 128, "tanh"),
+        (3, True, torch.float8_e5m2, (15.0, -2.0, 3.0), 64, 512, "tanh"),
     ],
 )
-def test_kernel_matches_reference(k, with_prefix, grad_dtype, softcap, block_m, block_v):
+def test_kernel_matches_reference(k, with_prefix, grad_dtype, softcap, block_m, block_v, sigmoid):
     logits, targets, prefix = make_batch(seed=k)
     w = random_weights(k, seed=k)
     prefix = prefix if with_prefix else None
@@ -128,7 +131,7 @@ def test_kernel_matches_reference(k, with_prefix, grad_dtype, softcap, block_m, 
     kw = dict(softcap=softcap, vocab_size=VOCAB, grad_out_scale=scale, grad_dtype=grad_dtype)
     got_l, got_d = softcapped_ce_fwd_bwd(
         logits, targets, w, prefix, 0.3, losses_out=losses, dlogits_out=dlogits, block_m=block_m,
-        block_v=block_v, **kw,
+        block_v=block_v, sigmoid=sigmoid, **kw,
     )
     assert got_l is losses and got_d is dlogits
     assert torch.isfinite(losses).all() and torch.isfinite(dlogits.float()).all()
@@ -226,6 +229,8 @@ def test_kernel_rejects_bad_tuning_and_outputs():
         softcapped_ce_fwd_bwd(logits, targets, grad_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="softcap"):
         softcapped_ce_fwd_bwd(logits, targets, softcap=(0.0, 5.0, 7.5))
+    with pytest.raises(ValueError, match="sigmoid must be one of"):
+        softcapped_ce_fwd_bwd(logits, targets, sigmoid="fast")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -502,3 +507,31 @@ def test_fp8_head_with_the_transposed_gradient_from_the_ce_kernel_is_identical(m
     cfg.train.ce_transpose = "separate"
     configure_kernel_launch(cfg)
     assert ce.TRANSPOSED_GRAD == "separate"
+
+
+@needs_interpreter
+def test_ce_sigmoid_switch_reaches_the_head(monkeypatch):
+    """train.ce_sigmoid: configure_kernel_launch sets the module's SIGMOID (checked), and the head's
+    kernel launch then uses it."""
+    from speedrun.config import preset
+    from speedrun.errors import ConfigError
+    from speedrun.train.loop import configure_kernel_launch
+
+    monkeypatch.setattr(ce, "SIGMOID", "exact")
+    seen = []
+    real = ce.softcapped_ce_fwd_bwd
+    monkeypatch.setattr(ce, "softcapped_ce_fwd_bwd",
+                        lambda *a, **k: seen.append(k.get("sigmoid") or ce.SIGMOID) or real(*a, **k))
+    cfg = preset("tiny")
+    cfg.train.ce_sigmoid = "tanh"
+    configure_kernel_launch(cfg)
+    assert ce.SIGMOID == "tanh"
+    args = make_head(seed=5)
+    run_head(fused_softcapped_ce, *args, use_fp8=True)
+    assert seen == ["tanh"]
+    cfg.train.ce_sigmoid = "fast"
+    with pytest.raises(ConfigError, match="train.ce_sigmoid must be one of exact, tanh"):
+        configure_kernel_launch(cfg)
+    cfg.train.ce_sigmoid = "exact"
+    configure_kernel_launch(cfg)
+    assert ce.SIGMOID == "exact"

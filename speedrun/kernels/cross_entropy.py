@@ -95,6 +95,12 @@ GRAD_UNIT_SCALE = 0.75 / 448.0  # real value of one e5m2 unit of dlogits (record
 # the backward, as upstream does) or "fused" (the CE kernel writes both layouts from its tiles;
 # train.ce_transpose sets it per run).
 TRANSPOSED_GRAD = "separate"
+# How the CE kernel evaluates the softcap's sigmoid: "exact" (exp2 and a reciprocal: two
+# special-function instructions per logit and pass) or "tanh" (0.5 + 0.5 tanh(x/2) with the GPU's
+# tanh.approx.f32: one, max relative error ~2**-11, as upstream's CUDA kernel does); the validation
+# loss is always exact.  train.ce_sigmoid sets it per run.
+SIGMOID = "exact"
+SIGMOID_CHOICES = ("exact", "tanh")
 _LOG2E = 1.4426950408889634
 
 # The Triton 3.6 interpreter's fp32 -> e5m2 cast gets the exponent wrong when rounding carries into
@@ -338,10 +344,27 @@ def _check_transposed_out(t: torch.Tensor, n: int, v_pad: int, grad_dtype: torch
 
 
 @triton.jit
-def _softcap_u(z, k1, k2):
-    # sigmoid((z + B) / C) with exp2 and the constants folded on the host: k1 = -log2(e)/C,
-    # k2 = -B*log2(e)/C.
-    return 1.0 / (1.0 + tl.exp2(z * k1 + k2))
+def _tanh(y, ASM: tl.constexpr):
+    if ASM:
+        # one special-function-unit instruction (max relative error ~2**-11) where the exact
+        # sigmoid below costs two (ex2 and rcp); the kernel is bound by that unit's throughput
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 2.0 / (1.0 + tl.exp(-2.0 * y)) - 1.0
+
+
+@triton.jit
+def _softcap_u(z, k1, k2, SIGMOID_TANH: tl.constexpr, TANH_ASM: tl.constexpr):
+    # sigmoid((z + B) / C) with the constants folded on the host: k1 = -log2(e)/C, k2 = -B*log2(e)/C.
+    # SIGMOID_TANH: as 0.5 + 0.5 * tanh((z + B) / 2C), where (z + B) / 2C = -(z*k1 + k2) * ln(2)/2;
+    # TANH_ASM: with the hardware's approximate tanh (else an exact one: the interpreter's route,
+    # which checks the identity's constants).
+    if SIGMOID_TANH:
+        HALF_LN2: tl.constexpr = 0.34657359027997264
+        return 0.5 + 0.5 * _tanh((z * k1 + k2) * -HALF_LN2, TANH_ASM)
+    else:
+        return 1.0 / (1.0 + tl.exp2(z * k1 + k2))
 
 
 @triton.jit
@@ -367,7 +390,7 @@ def _grad_cast(g, dlogits_ptr, GRAD_FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
 
 @triton.jit
 def _target_term(logits_ptr, rows, stride_logits, row_ok, t, w, lse, vocab_size, cap_a, k1, k2,
-                 SOFTCAP: tl.constexpr):
+                 SOFTCAP: tl.constexpr, SIGMOID_TANH: tl.constexpr, TANH_ASM: tl.constexpr):
     """One loss term per row for target ids ``t`` (-1: none) of weight ``w``: its contribution to
     the loss (``w * (lse - z_t)``), to the weight sum, and whether ``t`` is out of range (< -1 or
     >= vocab_size: the row's loss becomes NaN)."""
@@ -375,7 +398,7 @@ def _target_term(logits_ptr, rows, stride_logits, row_ok, t, w, lse, vocab_size,
     bad = (t < -1) | (t >= vocab_size)
     zt = tl.load(logits_ptr + rows * stride_logits + t, mask=row_ok & ok, other=0.0).to(tl.float32)
     if SOFTCAP:
-        zt = cap_a * _softcap_u(zt, k1, k2)
+        zt = cap_a * _softcap_u(zt, k1, k2, SIGMOID_TANH, TANH_ASM)
     return tl.where(ok, w * (lse - zt), 0.0), tl.where(ok, w, 0.0), bad
 
 
@@ -409,6 +432,8 @@ def _ce_fwd_bwd_kernel(
     SOFT_ROUND: tl.constexpr,
     SOFT_ROUND_BF16: tl.constexpr,
     EMIT_T: tl.constexpr,
+    SIGMOID_TANH: tl.constexpr,
+    TANH_ASM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -449,7 +474,7 @@ def _ce_fwd_bwd_kernel(
                 cols = start + offs
                 real = cols < vocab_size
                 z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
-                e = tl.exp2(_softcap_u(z, k1, k2) * a_log2e - a_log2e)
+                e = tl.exp2(_softcap_u(z, k1, k2, SIGMOID_TANH, TANH_ASM) * a_log2e - a_log2e)
                 acc += tl.where(real[None, :], e, 0.0)
                 start += BLOCK_V
             lse = cap_a + tl.log2(tl.sum(acc, axis=1)) * LN2
@@ -474,7 +499,7 @@ def _ce_fwd_bwd_kernel(
         for k in tl.static_range(N_PREDICT):
             t = tl.load(targets_ptr + rows + k, mask=row_ok & (rows + k < n_targets), other=-1).to(tl.int64)
             term, w_term, bad_t = _target_term(logits_ptr, rows, stride_logits, row_ok, t, tl.load(mtp_w_ptr + k),
-                                               lse, vocab_size, cap_a, k1, k2, SOFTCAP)
+                                               lse, vocab_size, cap_a, k1, k2, SOFTCAP, SIGMOID_TANH, TANH_ASM)
             loss += term
             weight_sum += w_term
             bad = bad | bad_t
@@ -482,7 +507,7 @@ def _ce_fwd_bwd_kernel(
             pt = tl.load(prefix_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
             pw = tl.load(prefix_w_ptr)
             term, w_term, bad_t = _target_term(logits_ptr, rows, stride_logits, row_ok, pt, pw,
-                                               lse, vocab_size, cap_a, k1, k2, SOFTCAP)
+                                               lse, vocab_size, cap_a, k1, k2, SOFTCAP, SIGMOID_TANH, TANH_ASM)
             loss += term
             weight_sum += w_term
             bad = bad | bad_t
@@ -499,7 +524,7 @@ def _ce_fwd_bwd_kernel(
             real = cols < vocab_size
             z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
             if SOFTCAP:
-                u = _softcap_u(z, k1, k2)
+                u = _softcap_u(z, k1, k2, SIGMOID_TANH, TANH_ASM)
                 p = tl.exp2(u * a_log2e - lse_log2e[:, None])
                 g = p * (u - u * u) * coef[:, None]
             else:
@@ -530,7 +555,7 @@ def _ce_fwd_bwd_kernel(
                 hit += tl.where(pt == col, pw, 0.0)
             z = tl.load(logits_ptr + rows * stride_logits + col, mask=ok, other=0.0).to(tl.float32)
             if SOFTCAP:
-                u = _softcap_u(z, k1, k2)
+                u = _softcap_u(z, k1, k2, SIGMOID_TANH, TANH_ASM)
                 p = tl.exp2(u * a_log2e - lse_log2e)
                 g = (weight_sum * p - hit) * (u - u * u) * (a_over_c * grad_mult)
             else:
@@ -601,6 +626,7 @@ def softcapped_ce_fwd_bwd(
     num_warps: int = 4,
     max_programs: int | None = None,
     dlogits_t_out: torch.Tensor | None = None,
+    sigmoid: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and its logits gradient in one Triton pass (forward and backward together).
 
@@ -619,8 +645,13 @@ def softcapped_ce_fwd_bwd(
     transposed (what the FP8 head's weight-gradient GEMM reads), from the same tiles: no separate
     transpose pass over dlogits.  Then rows per program default to 32 (32-byte column segments)
     and ``block_v`` to 128.
+    ``sigmoid``: "exact" or "tanh" (the hardware's approximate tanh; under the interpreter an exact
+    tanh through the same identity); None: the module's ``SIGMOID``.
     """
     vocab_size = _check_logits(logits, vocab_size)
+    sigmoid = SIGMOID if sigmoid is None else sigmoid
+    if sigmoid not in SIGMOID_CHOICES:
+        raise ValueError(f"sigmoid must be one of {SIGMOID_CHOICES}, got {sigmoid!r}")
     if logits.device.type != "cuda" and not interpreting():
         raise ValueError("softcapped_ce_fwd_bwd: the Triton kernel needs a CUDA tensor or TRITON_INTERPRET=1 "
                          "(set before import); use softcapped_ce_fwd_bwd_reference on this device")
@@ -701,6 +732,8 @@ def softcapped_ce_fwd_bwd(
             SOFT_ROUND=interpreting(),
             SOFT_ROUND_BF16=interpreting() and grad_dtype == torch.bfloat16,
             EMIT_T=emit_t,
+            SIGMOID_TANH=sigmoid == "tanh",
+            TANH_ASM=sigmoid == "tanh" and not interpreting(),
             BLOCK_M=block_m,
             BLOCK_V=block_v,
             num_warps=num_warps,
