@@ -226,9 +226,9 @@ CE_SIGMOID_CHOICES = ("exact", "tanh")  # speedrun.kernels.cross_entropy.SIGMOID
 
 def configure_kernel_launch(cfg: RunConfig) -> None:
     """Apply the process-wide kernel routing: ``train.triton_launch`` (how our Triton kernels are
-    launched), ``train.mlp_gemm`` (the ReLU² GEMMs' route) and ``train.ce_transpose`` (who writes
-    the FP8 head's transposed logit gradient) and ``train.ce_sigmoid`` (the CE kernel's sigmoid).  Arms of one benchmark process re-apply it before
-    each step."""
+    launched), ``train.mlp_gemm`` (the ReLU² GEMMs' route), ``train.ce_transpose`` (who writes
+    the FP8 head's transposed logit gradient) and ``train.ce_sigmoid`` (how the CE kernel evaluates
+    the softcap's sigmoid).  Arms of one benchmark process re-apply it before each step."""
     import sys
 
     from speedrun.kernels import launch
