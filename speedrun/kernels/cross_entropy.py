@@ -356,15 +356,25 @@ def _tanh(y, ASM: tl.constexpr):
 
 @triton.jit
 def _softcap_u(z, k1, k2, SIGMOID_TANH: tl.constexpr, TANH_ASM: tl.constexpr):
-    # sigmoid((z + B) / C) with the constants folded on the host: k1 = -log2(e)/C, k2 = -B*log2(e)/C.
-    # SIGMOID_TANH: as 0.5 + 0.5 * tanh((z + B) / 2C), where (z + B) / 2C = -(z*k1 + k2) * ln(2)/2;
+    # sigmoid((z + B) / C) with the constants folded outside the loops (_sigmoid_constants):
+    # exact: 1 / (1 + 2**(z*k1 + k2)); SIGMOID_TANH: 0.5 + 0.5 * tanh(z*k1 + k2).
     # TANH_ASM: with the hardware's approximate tanh (else an exact one: the interpreter's route,
     # which checks the identity's constants).
     if SIGMOID_TANH:
-        HALF_LN2: tl.constexpr = 0.34657359027997264
-        return 0.5 + 0.5 * _tanh((z * k1 + k2) * -HALF_LN2, TANH_ASM)
+        return 0.5 + 0.5 * _tanh(z * k1 + k2, TANH_ASM)
     else:
         return 1.0 / (1.0 + tl.exp2(z * k1 + k2))
+
+
+@triton.jit
+def _sigmoid_constants(k1, k2, SIGMOID_TANH: tl.constexpr):
+    # The host passes k1 = -log2(e)/C, k2 = -B*log2(e)/C (the exact route's); the tanh route wants
+    # (z + B) / 2C = -(z*k1 + k2) * ln(2)/2, so both scale by -ln(2)/2 once per program.
+    if SIGMOID_TANH:
+        HALF_LN2: tl.constexpr = 0.34657359027997264
+        return k1 * -HALF_LN2, k2 * -HALF_LN2
+    else:
+        return k1, k2
 
 
 @triton.jit
@@ -449,6 +459,7 @@ def _ce_fwd_bwd_kernel(
     cap_a = tl.cast(cap_a, tl.float32)
     k1 = tl.cast(k1, tl.float32)
     k2 = tl.cast(k2, tl.float32)
+    k1, k2 = _sigmoid_constants(k1, k2, SIGMOID_TANH)
     a_over_c = tl.cast(a_over_c, tl.float32)
     grad_mult = tl.cast(grad_mult, tl.float32)
     # Row blocks pid, pid + G, ... (G programs): one block each with the default grid; a smaller
