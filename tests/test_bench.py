@@ -179,7 +179,19 @@ def test_several_chain_lengths_are_timed_as_paired_series(tmp_path, capsys):
     assert all(len(a["times_ms"]) == 20 for a in res["arms"])
     assert all("vs_base" in a for a in res["arms"][1:]) and "vs_base" not in res["arms"][0]
     assert "samples of 1 and 2 steps back to back" in res["timing"] and "base@2" in text
-    assert res["order"].startswith("interleaved: base base@2 cand cand@2")
+    assert res["order"].startswith("interleaved, rotated each round: base base@2 cand cand@2 / cand cand@2 base base@2")
+
+
+def test_arm_order_rotates_each_round(monkeypatch):
+    """Round r starts with arm r mod n, so no arm always runs right after the same one."""
+    from speedrun.evidence import bench
+
+    calls = []
+    monkeypatch.setattr(bench, "time_step", lambda s, meter=None, chain=1: calls.append(s.name) or 1.0)
+    res = bench.bench_step(parse_arms(["a=tiny", "b=tiny", "c=tiny"]), steps=20, warmup=0, common=SMALL)
+    assert calls[:9] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert len(calls) == 60 and all(calls.count(x) == 20 for x in "abc")
+    assert res["order"] == "interleaved, rotated each round: a b c / b c a / ..."
 
 
 def test_bench_stage_selection_and_errors(tmp_path, capsys):

@@ -115,7 +115,8 @@ _ARM_HELP = ("an arm: NAME=PRESET[:SECTION.FIELD=VALUE,...], e.g. base=tiny or "
 _BENCH_EPILOG = """\
 Each arm is a preset plus overrides, built once (model, optimizer, loader at the chosen stage's
 shapes) exactly as 'speedrun train' builds it.  Every arm is warmed up first (compilation is
-untimed), then the arms are timed interleaved (A B A B ...), one optimizer step at a time
+untimed), then the arms are timed interleaved, the order rotating each round (A B C, B C A, ...),
+one optimizer step at a time
 (all grad_accum micro-batches, gradient all-reduce and update), with CUDA events from an idle GPU
 (perf_counter on the CPU).  Printed per arm: median and IQR (ms), tokens/s, the arm's peak
 memory on CUDA (what it keeps allocated plus the most one step adds, MiB), and the ratio of its

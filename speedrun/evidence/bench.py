@@ -3,8 +3,9 @@
 Each arm (a preset plus overrides, see :mod:`speedrun.evidence.arms`) gets its own model,
 optimizer and loader, built once with the same pieces :func:`speedrun.train.loop.train` uses.
 Every arm is warmed up first (compilation and autotuning happen there, untimed); then the arms
-are timed interleaved, ``A B C A B C ...``, so slow drifts of the node (clocks, temperature)
-hit every arm alike.  A step is timed from an idle device: synchronize, record a CUDA event, run
+are timed interleaved, the order rotating each round (``A B C``, ``B C A``, ``C A B``, ...), so
+slow drifts of the node (clocks, temperature) hit every arm alike and no arm always follows the
+same one (the fifteenth device session saw a fixed order confound a 2% difference).  A step is timed from an idle device: synchronize, record a CUDA event, run
 :func:`~speedrun.train.loop.run_step` (all ``grad_accum`` micro-batches, the gradient
 all-reduce and the optimizer update of the run's recipe), record a second event, synchronize.  On the CPU the step is
 timed with ``time.perf_counter``.  ``chain`` K > 1 issues K steps back to back per sample and
@@ -299,7 +300,8 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
             distributed.barrier(info)
             s.resident_bytes += meter.allocated() - before  # optimizer state, FP8 caches, grads kept
         for rep in range(steps):
-            for s in sessions:
+            k = rep % len(sessions)
+            for s in sessions[k:] + sessions[:k]:
                 for c in chains:
                     s.times_ms.setdefault(c, []).append(time_step(s, meter, c))
             if progress and info.is_main and (rep + 1) % 10 == 0:
@@ -390,7 +392,9 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
         "world_size": info.world_size,
         "chain": list(chains),
         "timing": timing,
-        "order": "interleaved: " + " ".join(series_name(s.name, c, chains) for s in sessions for c in chains) + " ...",
+        "order": "interleaved, rotated each round: " + " ".join(series_name(s.name, c, chains) for s in sessions for c in chains)
+                 + (" / " + " ".join(series_name(s.name, c, chains) for s in sessions[1:] + sessions[:1] for c in chains)
+                    if len(sessions) > 1 else "") + " / ...",
         "arms": out_arms,
         "warnings": warnings,
         "fingerprint": node_fingerprint(measure=False) if info.is_main else None,
