@@ -100,36 +100,19 @@ def main(argv: list[str] | None = None) -> int:
                        bytes_moved=moved, min_bytes=n * v * (2 + out_d.element_size()),
                        sfu_floor_ms=n * vocab * sfu_ops / sfu_rate * 1e3)
 
-    # --- the FP8 head's transposed gradient: a separate pass, or written by the CE kernel itself
-    # (train.ce_transpose); min_bytes: one read of the logits + both e5m2 layouts written
+    # --- the CE kernel and the FP8 head's transposed-gradient pass together (what the head's
+    # backward runs); min_bytes: one read of the logits + both e5m2 layouts written
     from speedrun.kernels.cross_entropy import transpose_fp8
 
     out_l = torch.empty(n, device=dev)
     out_d = torch.empty(n, v, device=dev, dtype=torch.float8_e5m2)
-    out_t = torch.empty(v, n, device=dev, dtype=torch.float8_e5m2)
     e5m2 = dict(vocab_size=vocab, grad_out_scale=1 / GRAD_UNIT_SCALE, grad_dtype=torch.float8_e5m2,
                 losses_out=out_l, dlogits_out=out_d)
-    record("ce_kernel_e5m2_then_transpose",
-           bench(lambda: transpose_fp8(softcapped_ce_fwd_bwd(logits, targets, mtp, prefix, pw, **e5m2)[1])),
-           bytes_moved=n * v * 2 * 2 + n * v * 3, min_bytes=n * v * 4)
-    record("ce_kernel_e5m2_tanh_then_transpose",
-           bench(lambda: transpose_fp8(softcapped_ce_fwd_bwd(logits, targets, mtp, prefix, pw, sigmoid="tanh",
-                                                             **e5m2)[1])),
-           bytes_moved=n * v * 2 * 2 + n * v * 3, min_bytes=n * v * 4)
-    emit_configs = [(None, None, 4, "exact"), (None, None, 4, "tanh")]
-    if args.sweep:
-        emit_configs += [(m, bv, w, "tanh") for m, bv, w in ((16, 128, 4), (32, 64, 4), (32, 256, 8), (64, 128, 8))]
-    for block_m, block_v, warps, sig in emit_configs:
-        fn = lambda: softcapped_ce_fwd_bwd(  # noqa: E731
-            logits, targets, mtp, prefix, pw, dlogits_t_out=out_t, block_m=block_m, block_v=block_v,
-            num_warps=warps, sigmoid=sig, **e5m2)
-        label = ("ce_kernel_e5m2_emit_t" + ("" if sig == "exact" else "_tanh")
-                 + ("" if block_m is None else f"_m{block_m}_v{block_v}_w{warps}"))
-        try:
-            record(label, bench(fn), bytes_moved=n * v * 2 * 2 + n * v * 2, min_bytes=n * v * 4)
-        except Exception as e:  # a config may not compile (registers, shared memory)
-            print(f"{label}: failed {type(e).__name__}", flush=True)
-    del out_t
+    for sig in ("exact", "tanh"):
+        record(f"ce_kernel_e5m2{'' if sig == 'exact' else '_tanh'}_then_transpose",
+               bench(lambda: transpose_fp8(softcapped_ce_fwd_bwd(logits, targets, mtp, prefix, pw, sigmoid=sig,
+                                                                 **e5m2)[1])),
+               bytes_moved=n * v * 2 * 2 + n * v * 3, min_bytes=n * v * 4)
 
     if args.sweep:
         for sig in ("exact", "tanh"):

@@ -206,10 +206,6 @@ class TrainConfig:
     # of "fused" (pointer-store epilogue), "tma" (epilogue through TMA), "split" (cuBLAS GEMM,
     # then a Triton epilogue pass) for every call: an A/B arm
     mlp_gemm: str = "auto"
-    # Who writes the FP8 lm_head's transposed logit gradient (its weight-gradient GEMM reads it):
-    # "separate" (a transpose pass in the backward) or "fused" (the cross-entropy kernel stores
-    # both layouts from its tiles; speedrun.kernels.cross_entropy; process-wide): an A/B arm
-    ce_transpose: str = "separate"
     # How the cross-entropy kernel evaluates the softcap's sigmoid: "exact" (exp2 + reciprocal) or
     # "tanh" (the GPU's approximate tanh, one instruction; training loss and gradient only, the
     # validation loss stays exact; speedrun.kernels.cross_entropy.SIGMOID; process-wide)

@@ -454,62 +454,6 @@ def test_kernel_persistent_grid_equals_one_program_per_block(max_programs):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("block_m,n", [(1, N), (4, N), (32, N - 5)])
-@pytest.mark.parametrize("grad_dtype", [torch.float8_e5m2, torch.bfloat16])
-def test_kernel_writes_the_transposed_gradient_from_the_same_tiles(block_m, n, grad_dtype):
-    """dlogits_t_out: the (V_pad, N) layout equals dlogits transposed byte for byte, the sparse
-    target-column corrections included (MTP and prefix targets), padded columns zero, every
-    element written (poisoned first); the row-major outputs are the same as without it."""
-    logits, targets, prefix = make_batch(seed=11)
-    logits, prefix = logits[:n], prefix[:n]
-    w = [1.0, 0.5, 0.25]
-    kw = dict(softcap=DEFAULT_SOFTCAP, vocab_size=VOCAB, grad_dtype=grad_dtype, block_m=block_m, block_v=128,
-              grad_out_scale=1 / ce.GRAD_UNIT_SCALE if grad_dtype == torch.float8_e5m2 else 1.0)
-    want_l, want_d = softcapped_ce_fwd_bwd(logits, targets[:n + 2], w, prefix, 0.25, **kw)
-    bits = torch.uint8 if grad_dtype == torch.float8_e5m2 else torch.int16
-    dt = torch.full((V_PAD, n), 0x7F if bits == torch.uint8 else 0x7FC0, dtype=bits).view(grad_dtype)  # NaN
-    losses, d = softcapped_ce_fwd_bwd(logits, targets[:n + 2], w, prefix, 0.25, dlogits_t_out=dt, **kw)
-    assert torch.equal(losses, want_l) and torch.equal(d.view(bits), want_d.view(bits))
-    assert torch.equal(dt.view(bits), d.t().contiguous().view(bits))
-    assert not dt.float().isnan().any() and dt[VOCAB:].float().abs().sum() == 0
-    ref_dt = torch.empty_like(dt)
-    softcapped_ce_fwd_bwd_reference(logits, targets[:n + 2], w, prefix, 0.25, dlogits_t_out=ref_dt, **kw)
-    assert rel(ref_dt.float(), dt.float()) < 2e-2
-    with pytest.raises(ValueError, match=rf"dlogits_t_out must be a contiguous .* \({V_PAD}, {n}\)"):
-        softcapped_ce_fwd_bwd(logits, targets[:n + 2], w, prefix, 0.25, dlogits_t_out=dt.t(), **kw)
-
-
-@needs_interpreter
-def test_fp8_head_with_the_transposed_gradient_from_the_ce_kernel_is_identical(monkeypatch):
-    """train.ce_transpose=fused: the weight gradient read from the CE kernel's transposed copy is
-    bit-identical to the separate transpose's; configure_kernel_launch sets and checks the switch."""
-    from speedrun.config import preset
-    from speedrun.errors import ConfigError
-    from speedrun.train.loop import configure_kernel_launch
-
-    args = make_head(seed=4)
-    monkeypatch.setattr(ce, "TRANSPOSED_GRAD", "separate")
-    sep = run_head(fused_softcapped_ce, *args, use_fp8=True)
-    cfg = preset("tiny")
-    cfg.train.ce_transpose = "fused"
-    configure_kernel_launch(cfg)
-    assert ce.TRANSPOSED_GRAD == "fused"
-    calls = []
-    real = ce.transpose_fp8
-    monkeypatch.setattr(ce, "transpose_fp8", lambda t: calls.append(1) or real(t))
-    fused = run_head(fused_softcapped_ce, *args, use_fp8=True)
-    assert not calls  # no transpose pass in the backward
-    for a, b in zip(sep, fused):
-        assert torch.equal(a, b)
-    cfg.train.ce_transpose = "both"
-    with pytest.raises(ConfigError, match="train.ce_transpose must be one of separate, fused"):
-        configure_kernel_launch(cfg)
-    cfg.train.ce_transpose = "separate"
-    configure_kernel_launch(cfg)
-    assert ce.TRANSPOSED_GRAD == "separate"
-
-
-@needs_interpreter
 def test_ce_sigmoid_switch_reaches_the_head(monkeypatch):
     """train.ce_sigmoid: configure_kernel_launch sets the module's SIGMOID (checked), and the head's
     kernel launch then uses it."""

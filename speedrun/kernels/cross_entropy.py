@@ -96,10 +96,6 @@ DEFAULT_SOFTCAP = (23.0, 5.0, 7.5)
 X_SCALE = 100.0 / 448.0  # real value of one e4m3 unit of x (record: lm_head x_s)
 W_SCALE = 1.6 / 448.0  # real value of one e4m3 unit of W (record: lm_head w_s)
 GRAD_UNIT_SCALE = 0.75 / 448.0  # real value of one e5m2 unit of dlogits (record grad_s / grad_scale)
-# Where the FP8 head's weight-gradient GEMM gets dlogits transposed: "separate" (a transpose pass in
-# the backward, as upstream does) or "fused" (the CE kernel writes both layouts from its tiles;
-# train.ce_transpose sets it per run).
-TRANSPOSED_GRAD = "separate"
 # How the CE kernel evaluates the softcap's sigmoid: "exact" (exp2 and a reciprocal: two
 # special-function instructions per logit and pass) or "tanh" (0.5 + 0.5 tanh(x/2) with the GPU's
 # tanh.approx.f32: one, max relative error ~2**-11, as upstream's CUDA kernel does); the validation
@@ -309,14 +305,15 @@ def softcapped_ce_fwd_bwd_reference(
     block_m: int | None = None,
     num_warps: int = 4,
     max_programs: int | None = None,
-    dlogits_t_out: torch.Tensor | None = None,
+    sigmoid: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`softcapped_ce_fwd_bwd` (same signature), by autograd in fp32.
 
     Returns ``(losses, dlogits)``: losses (N,) fp32; dlogits (N, V_pad) in ``grad_dtype`` (default
     ``logits.dtype``; ``torch.float8_e5m2`` saturates at +-57344) equal to
     ``grad_out_scale * d(sum_t loss_t)/d logits``, zero in padded columns.  ``block_v``,
-    ``block_m``, ``num_warps`` and ``max_programs`` (tuning knobs of the kernel) are ignored.
+    ``block_m``, ``num_warps`` and ``max_programs`` (tuning knobs of the kernel) and ``sigmoid``
+    (always exact here) are ignored.
     """
     vocab_size = _check_logits(logits, vocab_size)
     _check_targets(logits.shape[0], targets, prefix_targets, vocab_size, check_targets)
@@ -332,16 +329,7 @@ def softcapped_ce_fwd_bwd_reference(
     if losses_out is not None:
         losses = losses_out.copy_(losses)
     dlogits = _store_grad(g, grad_dtype, dlogits_out)
-    if dlogits_t_out is not None:
-        _check_transposed_out(dlogits_t_out, *logits.shape, grad_dtype)
-        dlogits_t_out.copy_(dlogits.t())
     return losses, dlogits
-
-
-def _check_transposed_out(t: torch.Tensor, n: int, v_pad: int, grad_dtype: torch.dtype) -> None:
-    if t.shape != (v_pad, n) or t.dtype != grad_dtype or not t.is_contiguous():
-        raise ValueError(f"dlogits_t_out must be a contiguous {grad_dtype} tensor of shape ({v_pad}, {n}), "
-                         f"got {t.dtype} {tuple(t.shape)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,8 +411,6 @@ def _ce_fwd_bwd_kernel(
     stride_logits,
     dlogits_ptr,
     stride_dlogits,
-    dlogits_t_ptr,
-    stride_dlogits_t,
     losses_ptr,
     targets_ptr,
     n_rows,
@@ -446,7 +432,6 @@ def _ce_fwd_bwd_kernel(
     GRAD_FP8: tl.constexpr,
     SOFT_ROUND: tl.constexpr,
     SOFT_ROUND_BF16: tl.constexpr,
-    EMIT_T: tl.constexpr,
     SIGMOID_TANH: tl.constexpr,
     TANH_ASM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -548,9 +533,6 @@ def _ce_fwd_bwd_kernel(
             g = tl.where(real[None, :], g, 0.0)
             out = _grad_cast(g, dlogits_ptr, GRAD_FP8, SOFT_ROUND, SOFT_ROUND_BF16)
             tl.store(grad_rows + cols[None, :], out, mask=row_ok[:, None] & (cols < n_cols)[None, :])
-            if EMIT_T:  # the same tile into the (n_cols, n_rows) layout: BLOCK_M bytes per column
-                tl.store(dlogits_t_ptr + cols.to(tl.int64)[None, :] * stride_dlogits_t + rows[:, None], out,
-                         mask=row_ok[:, None] & (cols < n_cols)[None, :])
             start += BLOCK_V
 
         # Sparse correction: rewrite each target column with its full value.  A column hit by several
@@ -578,8 +560,6 @@ def _ce_fwd_bwd_kernel(
                 g = (weight_sum * tl.exp2(z * LOG2E - lse_log2e) - hit) * grad_mult
             out = _grad_cast(g, dlogits_ptr, GRAD_FP8, SOFT_ROUND, SOFT_ROUND_BF16)
             tl.store(dlogits_ptr + rows * stride_dlogits + col, out, mask=ok)
-            if EMIT_T:
-                tl.store(dlogits_t_ptr + col * stride_dlogits_t + rows, out, mask=ok)
         row_block += tl.num_programs(0)
 
 
@@ -641,7 +621,6 @@ def softcapped_ce_fwd_bwd(
     block_m: int | None = None,
     num_warps: int = 4,
     max_programs: int | None = None,
-    dlogits_t_out: torch.Tensor | None = None,
     sigmoid: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and its logits gradient in one Triton pass (forward and backward together).
@@ -657,10 +636,6 @@ def softcapped_ce_fwd_bwd(
     ``num_warps``: Triton warps per program.
     ``max_programs``: at most this many programs, each looping over row blocks (a persistent grid:
     fewer rows in flight, so the second pass over a row can hit L2); None = one program per block.
-    ``dlogits_t_out``: a contiguous (V_pad, N) tensor of ``grad_dtype`` that also receives dlogits,
-    transposed (what the FP8 head's weight-gradient GEMM reads), from the same tiles: no separate
-    transpose pass over dlogits.  Then rows per program default to 32 (32-byte column segments)
-    and ``block_v`` to 128.
     ``sigmoid``: "exact" or "tanh" (the hardware's approximate tanh; under the interpreter an exact
     tanh through the same identity); None: the module's ``SIGMOID``.
     """
@@ -694,20 +669,17 @@ def softcapped_ce_fwd_bwd(
         dlogits_out = torch.empty((n, v_pad), dtype=grad_dtype, device=device)
     elif dlogits_out.shape != (n, v_pad) or dlogits_out.dtype != grad_dtype or dlogits_out.stride(1) != 1:
         raise ValueError(f"dlogits_out must be {grad_dtype} of shape ({n}, {v_pad}) with unit column stride")
-    emit_t = dlogits_t_out is not None
-    if emit_t:
-        _check_transposed_out(dlogits_t_out, n, v_pad, grad_dtype)
     if n == 0:
         return losses_out, dlogits_out
 
     if block_v is None:
-        block_v = min(128, next_pow2(max(v_pad, 16))) if emit_t else _default_block_v(v_pad)
+        block_v = _default_block_v(v_pad)
     block_v = int(block_v)
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
     if block_m is None:
         # The interpreter pays per operation, not per element: whole-batch tiles keep tests fast.
-        block_m = min(64, next_pow2(n)) if interpreting() else (32 if emit_t else 1)
+        block_m = min(64, next_pow2(n)) if interpreting() else 1
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 1, got {block_m}")
     if max_programs is not None and max_programs < 1:
@@ -718,14 +690,12 @@ def softcapped_ce_fwd_bwd(
     if softcap is not None and a > 64:
         raise ValueError(f"softcap A={a} is too large for the kernel's fixed softmax offset (A <= 64)")
     with launch_note("_ce_fwd_bwd_kernel", reads=(logits, targets, prefix_targets),
-                     writes=(dlogits_out, losses_out, dlogits_t_out)):
+                     writes=(dlogits_out, losses_out)):
         launch(_ce_fwd_bwd_kernel, (programs,),
             logits,
             logits.stride(0),
             dlogits_out,
             dlogits_out.stride(0),
-            dlogits_t_out if emit_t else dlogits_out,
-            dlogits_t_out.stride(0) if emit_t else 0,
             losses_out,
             targets,
             n,
@@ -747,7 +717,6 @@ def softcapped_ce_fwd_bwd(
             GRAD_FP8=grad_dtype == torch.float8_e5m2,
             SOFT_ROUND=interpreting(),
             SOFT_ROUND_BF16=interpreting() and grad_dtype == torch.bfloat16,
-            EMIT_T=emit_t,
             SIGMOID_TANH=sigmoid == "tanh",
             TANH_ASM=sigmoid == "tanh" and not interpreting(),
             BLOCK_M=block_m,
@@ -880,23 +849,18 @@ class FusedSoftcappedCE(torch.autograd.Function):
             w_f8 = fp8_weight.data  # (D, V) row-major
             # FP8 tensor cores want B column-major: the cached transposed copy.
             logits = scaled_mm(x_f8, fp8_weight.data_cm, x_scale, w_scale, torch.bfloat16, use_fast_accum=True)
-            # the weight gradient's GEMM reads dlogits transposed: written by the CE kernel or later
-            dlogits_t = None
-            if TRANSPOSED_GRAD == "fused" and ctx.needs_input_grad[1]:
-                dlogits_t = torch.empty((logits.shape[1], logits.shape[0]), dtype=torch.float8_e5m2, device=x.device)
             losses, dlogits = ce(
                 logits, targets, mtp_weights, prefix_targets, prefix_weight, softcap=softcap,
                 vocab_size=vocab_size, grad_out_scale=1.0 / grad_unit_scale, grad_dtype=torch.float8_e5m2,
-                dlogits_t_out=dlogits_t,
             )
-            ctx.save_for_backward(x, w_f8, dlogits, dlogits_t)
+            ctx.save_for_backward(x, w_f8, dlogits)
         else:
             logits = x @ weight
             losses, dlogits = ce(
                 logits, targets, mtp_weights, prefix_targets, prefix_weight, softcap=softcap,
                 vocab_size=vocab_size, grad_out_scale=1.0, grad_dtype=x.dtype,
             )
-            ctx.save_for_backward(x, weight, dlogits, None)
+            ctx.save_for_backward(x, weight, dlogits)
         del logits
         ctx.use_fp8 = use_fp8
         ctx.scales = (x_scale, w_scale, grad_unit_scale)
@@ -905,7 +869,7 @@ class FusedSoftcappedCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_losses):
-        x, w_saved, dlogits, dlogits_t = ctx.saved_tensors
+        x, w_saved, dlogits = ctx.saved_tensors
         x_scale, w_scale, g_unit = ctx.scales
         go = grad_losses.float().reshape(-1, 1)
         dx = dw = None
@@ -920,7 +884,7 @@ class FusedSoftcappedCE(torch.autograd.Function):
                 amax = go.abs().amax().clamp_min(1e-30)
                 xg_scale = amax * x_scale
                 xg_t = _quantize_rows_scaled_x_t(x, go, xg_scale)
-                d_col = (transpose_fp8(dlogits) if dlogits_t is None else dlogits_t).t()
+                d_col = transpose_fp8(dlogits).t()  # K-major for cuBLAS, as upstream does
                 dw = scaled_mm(xg_t, d_col, xg_scale, g_unit, ctx.weight_dtype, use_fast_accum=False)
         else:
             if ctx.needs_input_grad[0]:

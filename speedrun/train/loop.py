@@ -220,15 +220,13 @@ def _validation_variants(recipe, total_steps: int, val_every: int) -> dict[int, 
 
 
 MLP_GEMM_CHOICES = ("auto", "fused", "tma", "split")
-CE_TRANSPOSE_CHOICES = ("separate", "fused")
 CE_SIGMOID_CHOICES = ("exact", "tanh")  # speedrun.kernels.cross_entropy.SIGMOID_CHOICES (no Triton import here)
 
 
 def configure_kernel_launch(cfg: RunConfig) -> None:
     """Apply the process-wide kernel routing: ``train.triton_launch`` (how our Triton kernels are
-    launched), ``train.mlp_gemm`` (the ReLU² GEMMs' route), ``train.ce_transpose`` (who writes
-    the FP8 head's transposed logit gradient) and ``train.ce_sigmoid`` (how the CE kernel evaluates
-    the softcap's sigmoid).  Arms of one benchmark process re-apply it before each step."""
+    launched), ``train.mlp_gemm`` (the ReLU² GEMMs' route) and ``train.ce_sigmoid`` (how the CE
+    kernel evaluates the softcap's sigmoid).  Arms of one benchmark process re-apply it before each step."""
     import sys
 
     from speedrun.kernels import launch
@@ -238,18 +236,13 @@ def configure_kernel_launch(cfg: RunConfig) -> None:
         raise ConfigError(f"train.triton_launch must be one of {', '.join(choices)}, got {cfg.train.triton_launch!r}")
     if cfg.train.mlp_gemm not in MLP_GEMM_CHOICES:
         raise ConfigError(f"train.mlp_gemm must be one of {', '.join(MLP_GEMM_CHOICES)}, got {cfg.train.mlp_gemm!r}")
-    if cfg.train.ce_transpose not in CE_TRANSPOSE_CHOICES:
-        raise ConfigError(f"train.ce_transpose must be one of {', '.join(CE_TRANSPOSE_CHOICES)}, "
-                          f"got {cfg.train.ce_transpose!r}")
     if cfg.train.ce_sigmoid not in CE_SIGMOID_CHOICES:
         raise ConfigError(f"train.ce_sigmoid must be one of {', '.join(CE_SIGMOID_CHOICES)}, "
                           f"got {cfg.train.ce_sigmoid!r}")
     launch.set_enabled(cfg.train.triton_launch == "cached")
-    if (cfg.train.ce_transpose != "separate" or cfg.train.ce_sigmoid != "exact"
-            or "speedrun.kernels.cross_entropy" in sys.modules):
+    if cfg.train.ce_sigmoid != "exact" or "speedrun.kernels.cross_entropy" in sys.modules:
         from speedrun.kernels import cross_entropy
 
-        cross_entropy.TRANSPOSED_GRAD = cfg.train.ce_transpose
         cross_entropy.SIGMOID = cfg.train.ce_sigmoid
     # Not imported yet means nothing changed its default: no import (it needs Triton) for "auto".
     if cfg.train.mlp_gemm != "auto" or "speedrun.kernels.mlp" in sys.modules:
