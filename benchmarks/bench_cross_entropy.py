@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="also time a torch.compile'd reference")
     p.add_argument("--sweep", action="store_true", help="sweep CE kernel block sizes / warps")
     p.add_argument("--skip-eager", action="store_true", help="skip the (memory-hungry) eager reference")
+    p.add_argument("--sweep-sigmoid", default="exact,tanh",
+                   help="comma-separated sigmoid routes the block-size sweep covers (exact, tanh)")
+    p.add_argument("--sweep-persistent", action="store_true",
+                   help="also sweep persistent grids (slower at every setting in the eighth session)")
+    p.add_argument("--ce-only", action="store_true", help="stop after the CE kernel's cases (no GEMMs, no head)")
     p.add_argument("--sm-clock-mhz", type=float, default=1980.0,
                    help="SM clock for the SFU floor (H200 boost: 1980)")
     args = p.parse_args(argv)
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                bytes_moved=n * v * 2 * 2 + n * v * 3, min_bytes=n * v * 4)
 
     if args.sweep:
-        for sig in ("exact", "tanh"):
+        for sig in args.sweep_sigmoid.split(","):
             for block_m in (1, 2):
                 for block_v in (512, 1024, 2048, 4096):
                     for warps in (2, 4, 8):
@@ -133,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                             print(f"{label}: failed {type(e).__name__}", flush=True)
                             continue
                         record(label, ms, bytes_moved=n * v * 5)
+    if args.sweep_persistent:
         # Persistent grids: at most k programs per SM, each looping over rows, so fewer 100 KB
         # rows are in flight and the gradient pass can re-read them from L2 (ncu measured 2.0x
         # the logits' bytes read with one program per row).  min_bytes: one read + the e5m2 write.
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     del logits
 
     # --- pieces of the FP8 head, to see where its time goes
-    if fp8_supported(dev):
+    if fp8_supported(dev) and not args.ce_only:
         from speedrun.kernels.cross_entropy import W_SCALE, X_SCALE
         from speedrun.kernels.fp8_ops import quantize_tensorwise, scaled_mm
 
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     xr = x.clone().requires_grad_(True)
     wr = w.clone().requires_grad_(True)
     modes = [("head_bf16", False)] + ([("head_fp8", True)] if fp8_supported(dev) else [])
-    for label, use_fp8 in modes:
+    for label, use_fp8 in ([] if args.ce_only else modes):
         def fwd():
             return fused_softcapped_ce(xr, wr, targets, mtp, prefix, pw, use_fp8=use_fp8, vocab_size=vocab)
 
@@ -201,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     def ref_loss(xx, ww):
         return softcapped_multitoken_ce_reference(xx @ ww, targets, mtp, prefix, pw, vocab_size=vocab)
 
-    if not args.skip_eager:
+    if not (args.skip_eager or args.ce_only):
         try:
             record("reference_eager_fwd_bwd", bench(ref_fwd_bwd(ref_loss), grad_to_none=[xr, wr]), flops=gemm_flops)
         except torch.OutOfMemoryError:
