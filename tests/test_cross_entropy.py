@@ -479,3 +479,20 @@ def test_ce_sigmoid_switch_reaches_the_head(monkeypatch):
     cfg.train.ce_sigmoid = "exact"
     configure_kernel_launch(cfg)
     assert ce.SIGMOID == "exact"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("softcap", [DEFAULT_SOFTCAP, None])
+def test_kernel_ignores_what_the_padded_logit_columns_hold(softcap):
+    """The kernel reads whole padded rows (vectorised loads need a mask at a multiple of 16) and
+    drops the padded columns itself: NaN or +inf there changes no loss and no gradient byte."""
+    logits, targets, prefix = make_batch(seed=13)
+    kw = dict(softcap=softcap, vocab_size=VOCAB, grad_out_scale=1 / ce.GRAD_UNIT_SCALE,
+              grad_dtype=torch.float8_e5m2, block_m=8, block_v=128)
+    want_l, want_d = softcapped_ce_fwd_bwd(logits, targets, [1.0, 0.5], prefix, 0.25, **kw)
+    for junk in (float("nan"), float("inf")):
+        dirty = logits.clone()
+        dirty[:, VOCAB:] = junk
+        losses, d = softcapped_ce_fwd_bwd(dirty, targets, [1.0, 0.5], prefix, 0.25, **kw)
+        assert torch.equal(losses, want_l)
+        assert torch.equal(d.view(torch.uint8), want_d.view(torch.uint8))

@@ -465,6 +465,9 @@ def _ce_fwd_bwd_kernel(
 
         # `while` rather than `for ... in range(runtime bound)`: the Triton 3.6 interpreter cannot
         # index a runtime scalar under NumPy >= 2.4, and the CPU tests run there.
+        # Loads are masked by the padded row length (n_cols, a multiple of 16 in the record: Triton
+        # then issues 16-byte vector loads) and the padded columns dropped with `where`; a mask
+        # at the real vocabulary (50,257, odd) would make every load a scalar 2-byte one.
         if SOFTCAP:
             # Softcapped logits never exceed A, so A is a fixed softmax offset: no running max, and
             # per-lane partial sums reduced once at the end (exp(s - A) >= exp(-A) cannot underflow
@@ -475,7 +478,8 @@ def _ce_fwd_bwd_kernel(
             while start < vocab_size:
                 cols = start + offs
                 real = cols < vocab_size
-                z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
+                in_row = cols < n_cols
+                z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & in_row[None, :], other=0.0).to(tl.float32)
                 e = tl.exp2(_softcap_u(z, k1, k2, SIGMOID_TANH, TANH_ASM) * a_log2e - a_log2e)
                 acc += tl.where(real[None, :], e, 0.0)
                 start += BLOCK_V
@@ -487,7 +491,8 @@ def _ce_fwd_bwd_kernel(
             while start < vocab_size:
                 cols = start + offs
                 real = cols < vocab_size
-                z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
+                in_row = cols < n_cols
+                z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & in_row[None, :], other=0.0).to(tl.float32)
                 z = tl.where(real[None, :], z, float("-inf"))
                 m_new = tl.maximum(m, tl.max(z, axis=1))
                 l = l * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
@@ -524,7 +529,8 @@ def _ce_fwd_bwd_kernel(
         while start < n_cols:
             cols = start + offs
             real = cols < vocab_size
-            z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & real[None, :], other=0.0).to(tl.float32)
+            in_row = cols < n_cols
+            z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & in_row[None, :], other=0.0).to(tl.float32)
             if SOFTCAP:
                 u = _softcap_u(z, k1, k2, SIGMOID_TANH, TANH_ASM)
                 p = tl.exp2(u * a_log2e - lse_log2e[:, None])
@@ -533,7 +539,7 @@ def _ce_fwd_bwd_kernel(
                 g = tl.exp2(z * LOG2E - lse_log2e[:, None]) * coef[:, None]
             g = tl.where(real[None, :], g, 0.0)
             out = _grad_cast(g, dlogits_ptr, GRAD_FP8, SOFT_ROUND, SOFT_ROUND_BF16)
-            tl.store(grad_rows + cols[None, :], out, mask=row_ok[:, None] & (cols < n_cols)[None, :])
+            tl.store(grad_rows + cols[None, :], out, mask=row_ok[:, None] & in_row[None, :])
             start += BLOCK_V
 
         # Sparse correction: rewrite each target column with its full value.  A column hit by several
