@@ -496,3 +496,22 @@ def test_kernel_ignores_what_the_padded_logit_columns_hold(softcap):
         losses, d = softcapped_ce_fwd_bwd(dirty, targets, [1.0, 0.5], prefix, 0.25, **kw)
         assert torch.equal(losses, want_l)
         assert torch.equal(d.view(torch.uint8), want_d.view(torch.uint8))
+
+
+def test_hardware_tanh_only_on_nvidia_gpus_that_have_it(monkeypatch):
+    """sigmoid="tanh" uses PTX tanh.approx only on NVIDIA GPUs of capability >= 7.5; ROCm, older
+    GPUs, CPUs and the interpreter get the exact tanh through the same identity."""
+    cuda = torch.device("cuda", 0)
+    assert not ce.hardware_tanh(torch.device("cpu"))
+    monkeypatch.setattr(ce, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(ce, "cuda_capability", lambda d: (9, 0))
+    assert ce.hardware_tanh(cuda)
+    monkeypatch.setattr(ce, "cuda_capability", lambda d: (7, 0))
+    assert not ce.hardware_tanh(cuda)
+    monkeypatch.setattr(ce, "cuda_capability", lambda d: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert not ce.hardware_tanh(cuda)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(ce, "interpreting", lambda: True)
+    assert not ce.hardware_tanh(cuda)

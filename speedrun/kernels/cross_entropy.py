@@ -71,7 +71,7 @@ import triton.language as tl
 
 from speedrun.errors import DataError
 from speedrun.kernels.fp8_cache import cdiv, interpreting, next_pow2, quantize_rows_scaled_t, quantize_static
-from speedrun.kernels.fp8_ops import quantize_tensorwise, scaled_mm, to_scale_tensor
+from speedrun.kernels.fp8_ops import cuda_capability, quantize_tensorwise, scaled_mm, to_scale_tensor
 from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
 
@@ -604,6 +604,15 @@ def transpose_fp8(x: torch.Tensor) -> torch.Tensor:
 _GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e5m2)
 
 
+def hardware_tanh(device: torch.device) -> bool:
+    """Whether the kernel can use PTX ``tanh.approx.f32`` on ``device``: an NVIDIA GPU of compute
+    capability >= 7.5 (not ROCm, not the interpreter).  Elsewhere ``sigmoid="tanh"`` runs the same
+    identity with an exact tanh (no faster than ``"exact"``, and as accurate)."""
+    if interpreting() or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return cuda_capability(device) >= (7, 5)
+
+
 def _default_block_v(n_cols: int) -> int:
     # H200, N=49152, V=50304, e5m2 out (benchmarks/bench_cross_entropy.py --sweep): 1024 columns
     # x 4 warps and 512 x 2 warps ran 4.2 ms; 4096 x 8 warps 5.3 ms; 2 rows per program no better.
@@ -643,8 +652,8 @@ def softcapped_ce_fwd_bwd(
     ``num_warps``: Triton warps per program.
     ``max_programs``: at most this many programs, each looping over row blocks (a persistent grid:
     fewer rows in flight, so the second pass over a row can hit L2); None = one program per block.
-    ``sigmoid``: "exact" or "tanh" (the hardware's approximate tanh; under the interpreter an exact
-    tanh through the same identity); None: the module's ``SIGMOID``.
+    ``sigmoid``: "exact" or "tanh" (the hardware's approximate tanh where :func:`hardware_tanh`
+    says so, else an exact tanh through the same identity); None: the module's ``SIGMOID``.
     """
     vocab_size = _check_logits(logits, vocab_size)
     sigmoid = SIGMOID if sigmoid is None else sigmoid
@@ -725,7 +734,7 @@ def softcapped_ce_fwd_bwd(
             SOFT_ROUND=interpreting(),
             SOFT_ROUND_BF16=interpreting() and grad_dtype == torch.bfloat16,
             SIGMOID_TANH=sigmoid == "tanh",
-            TANH_ASM=sigmoid == "tanh" and not interpreting(),
+            TANH_ASM=sigmoid == "tanh" and hardware_tanh(device),
             BLOCK_M=block_m,
             BLOCK_V=block_v,
             num_warps=num_warps,
