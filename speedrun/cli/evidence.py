@@ -121,7 +121,8 @@ one optimizer step at a time
 (perf_counter on the CPU).  Printed per arm: median and IQR (ms), tokens/s, the arm's peak
 memory on CUDA (what it keeps allocated plus the most one step adds, MiB), and the ratio of its
 median to the first arm's with a paired bootstrap 95% CI.  Under torchrun a step's time is the
-maximum over ranks.
+maximum over ranks.  To see the noise floor, time the baseline twice (--arm base=record --arm
+base2=record ...): the A/A ratio's CI shows how small a difference this node resolves.
 
 Is the step host-bound?  --host-steps N traces N more steps per arm: for each phase (setup,
 data, forward, backward, optimizer...) the host's time to issue it, the GPU's time for it (CUDA
