@@ -20,6 +20,9 @@ from typing import Any
 
 from speedrun.errors import ConfigError
 
+# train.ce_sigmoid's values; speedrun.kernels.cross_entropy takes them from here
+CE_SIGMOID_CHOICES = ("exact", "tanh")
+
 
 @dataclass
 class Stage:
@@ -210,7 +213,7 @@ class TrainConfig:
     # "tanh" (the GPU's approximate tanh, one instruction, as upstream's kernel; the record presets'
     # choice: -9.7 ms per stage-3 step on the H200; training loss and gradient only, the validation
     # loss stays exact; speedrun.kernels.cross_entropy.SIGMOID; process-wide)
-    ce_sigmoid: str = "exact"
+    ce_sigmoid: str = "exact"  # one of CE_SIGMOID_CHOICES
     preflight: bool = False  # run `speedrun doctor` checks first and refuse a broken environment
     sample_tokens: int = 200
     sample_prompt: str = "The "

@@ -69,6 +69,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from speedrun.config import CE_SIGMOID_CHOICES
 from speedrun.errors import DataError
 from speedrun.kernels.fp8_cache import cdiv, interpreting, next_pow2, quantize_rows_scaled_t, quantize_static
 from speedrun.kernels.fp8_ops import cuda_capability, quantize_tensorwise, scaled_mm, to_scale_tensor
@@ -102,7 +103,7 @@ GRAD_UNIT_SCALE = 0.75 / 448.0  # real value of one e5m2 unit of dlogits (record
 # tanh.approx.f32: one, max relative error ~2**-11, as upstream's CUDA kernel does); the validation
 # loss is always exact.  train.ce_sigmoid sets it per run.
 SIGMOID = "exact"
-SIGMOID_CHOICES = ("exact", "tanh")
+SIGMOID_CHOICES = CE_SIGMOID_CHOICES
 _LOG2E = 1.4426950408889634
 
 # The Triton 3.6 interpreter's fp32 -> e5m2 cast gets the exponent wrong when rounding carries into

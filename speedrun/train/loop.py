@@ -22,7 +22,7 @@ import torch
 
 from speedrun import distributed
 from speedrun.compiling import allow_schedule_variants
-from speedrun.config import RunConfig, Stage
+from speedrun.config import CE_SIGMOID_CHOICES, RunConfig, Stage
 from speedrun.errors import ConfigError, DataError
 from speedrun.model import build_model
 from speedrun.model.interface import ForwardArgs
@@ -220,7 +220,6 @@ def _validation_variants(recipe, total_steps: int, val_every: int) -> dict[int, 
 
 
 MLP_GEMM_CHOICES = ("auto", "fused", "tma", "split")
-CE_SIGMOID_CHOICES = ("exact", "tanh")  # speedrun.kernels.cross_entropy.SIGMOID_CHOICES (no Triton import here)
 
 
 def configure_kernel_launch(cfg: RunConfig) -> None:
