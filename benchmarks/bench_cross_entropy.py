@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sm-clock-mhz", type=float, default=1980.0,
                    help="SM clock for the SFU floor (H200 boost: 1980)")
     args = p.parse_args(argv)
+    from speedrun.config import CE_SIGMOID_CHOICES
+
+    unknown = set(args.sweep_sigmoid.split(",")) - set(CE_SIGMOID_CHOICES)
+    if unknown:
+        p.error(f"--sweep-sigmoid: unknown route(s) {', '.join(sorted(unknown))}; known: {', '.join(CE_SIGMOID_CHOICES)}")
     if not torch.cuda.is_available():
         print("bench_cross_entropy: needs a CUDA GPU", file=sys.stderr)
         return 2
