@@ -48,7 +48,10 @@ def load(path: Path) -> dict:
     for k in data["kernels"]:
         calls, ms = kernels.get(k["kernel"], (0.0, 0.0))
         kernels[k["kernel"]] = (calls + k["calls"] / n, ms + k["time_us"] / n / 1e3)
-    return {"steps": n, "kernels": kernels}
+    timeline = data.get("timeline")  # device-only profiles: span / busy µs over all profiled steps
+    busy = None if not timeline else {"span_ms": timeline["span_us"] / n / 1e3, "busy_ms": timeline["busy_us"] / n / 1e3,
+                                      "gaps": timeline["gaps"] / n}
+    return {"steps": n, "kernels": kernels, "timeline": busy}
 
 
 def compare(ours: dict, theirs: dict, top: int = 25) -> dict:
@@ -67,6 +70,7 @@ def compare(ours: dict, theirs: dict, top: int = 25) -> dict:
     rows.sort(key=lambda r: -abs(r["diff_ms"]))
     total = [sum(ms for _, ms in inv["kernels"].values()) for inv in (ours, theirs)]
     return {"total_ms": {"ours": total[0], "theirs": total[1]},
+            "timeline": {"ours": ours.get("timeline"), "theirs": theirs.get("timeline")},
             "families": {k: {"ours_ms": v[0], "theirs_ms": v[1]} for k, v in sorted(fams.items(), key=lambda kv: -kv[1][0])},
             "kernels": rows[:top]}
 
@@ -76,6 +80,15 @@ def render(res: dict) -> str:
     lines = [f"kernel time per step: ours {t['ours']:.2f} ms, theirs {t['theirs']:.2f} ms, "
              f"difference {t['ours'] - t['theirs']:+.2f} ms", "",
              f"{'family':28} {'ours ms':>9} {'theirs ms':>10} {'diff':>8}"]
+    tl = res.get("timeline") or {}
+    if tl.get("ours") and tl.get("theirs"):  # both device-only: the GPU's own busy time, comparable
+        o, th = tl["ours"], tl["theirs"]
+        lines[1:1] = [f"GPU timeline per step: ours busy {o['busy_ms']:.2f} of {o['span_ms']:.2f} ms "
+                      f"({o['gaps']:.0f} gaps), theirs busy {th['busy_ms']:.2f} of {th['span_ms']:.2f} ms "
+                      f"({th['gaps']:.0f} gaps), busy difference {o['busy_ms'] - th['busy_ms']:+.2f} ms", ""]
+    elif tl.get("ours") or tl.get("theirs"):
+        lines[1:1] = ["(only one side is a device-only profile: its kernels ran under less profiler load, "
+                      "so kernel times compare loosely)", ""]
     for name, v in res["families"].items():
         lines.append(f"{name:28} {v['ours_ms']:9.2f} {v['theirs_ms']:10.2f} {v['ours_ms'] - v['theirs_ms']:+8.2f}")
     lines += ["", f"{'kernel (largest differences)':70} {'ours ms':>8} {'calls':>6} {'theirs ms':>9} {'calls':>6}"]

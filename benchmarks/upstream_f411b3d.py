@@ -24,7 +24,10 @@ Patches (in train_gpt.py, plus one in triton_kernels.py; dc_triton_kernels.py is
 * ``nvidia-smi`` missing no longer kills the run (it is only logged);
 * optional (``--profile START:COUNT``): torch.profiler around those optimizer steps, every CUDA
   kernel's calls and time written to ``upstream_kernels.json`` (compare with our own profile by
-  ``benchmarks/compare_kernels.py``);
+  ``benchmarks/compare_kernels.py``); with ``--profile-device-only`` the profiler records CUDA
+  activity alone (as ``speedrun profile --device-only``: little host cost, so busy and idle time
+  are close to an unprofiled step's) and the file also gets the GPU timeline (span, busy, idle
+  gaps) computed by ``speedrun.evidence.profile.gpu_timeline``, imported from this repository;
 * triton_kernels.py: the FP8 MLP down projection's two scale tensors are copied into buffers of
   their own before ``torch._scaled_mm``: upstream passes views into per-layer scale buffers
   (``scales[i:i+1]``), which are not 16-byte aligned for most layers, and torch 2.11's cuBLASLt
@@ -65,7 +68,7 @@ says ~7 on first execution) before the first timed step.
 Usage:  python benchmarks/upstream_f411b3d.py --src DIR --out OUTDIR [--scheduled 105]
         [--extension 30] [--val-tokens 2097152] [--val-every 0] [--train-files GLOB]
         [--val-files GLOB] [--max-docs 256 | --max-docs 16384:128,32768:192,49152:256]
-        [--profile START:COUNT]
+        [--profile START:COUNT [--profile-device-only]]
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ from pathlib import Path
 UPSTREAM_COMMIT = "f411b3d"
 UPSTREAM_FILES = ("train_gpt.py", "triton_kernels.py", "dc_triton_kernels.py")
 SHIM = Path(__file__).with_name("fa3_shim.py")
+REPO = Path(__file__).resolve().parents[1]  # the profile patch imports speedrun.evidence.profile from here
 # Upstream's Hyperparameters.val_batch_size (an anchor below checks it is still this).
 VAL_BATCH_SIZE = 4 * 64 * 1024 * 8
 # Tokens per rank of the three training stages: 8/16/24 x 2048 per GPU.
@@ -122,6 +126,7 @@ class BenchOptions:
     val_docs_divisor: int = 200
     profile_start: int = -1  # first optimizer step (0-based) under torch.profiler; -1: none
     profile_steps: int = 0
+    profile_device_only: bool = False  # CUDA activity only, plus the GPU timeline
 
     def stage_starts(self) -> list[int]:
         """First step (0-based) of stages 1, 2, 3 and the extension, as upstream computes them."""
@@ -144,6 +149,8 @@ def validate(opts: BenchOptions) -> None:
         raise PatchError(f"--max-docs must give >= 2 entries for each of {TRAIN_SHAPES}, got {opts.max_docs}")
     if opts.val_docs_divisor < 1:
         raise PatchError("val_docs_divisor must be >= 1")
+    if opts.profile_device_only and not opts.profile_steps:
+        raise PatchError("--profile-device-only needs --profile START:COUNT")
     if opts.profile_steps:
         total = opts.scheduled + opts.extension
         if opts.profile_steps < 1 or not 0 <= opts.profile_start <= total - opts.profile_steps:
@@ -201,39 +208,42 @@ def train_patches(opts: BenchOptions) -> list[Patch]:
               "logging only"),
     ]
     if opts.profile_steps:
-        patches += profile_patches(opts.profile_start, opts.profile_steps)
+        patches += profile_patches(opts.profile_start, opts.profile_steps, opts.profile_device_only)
     return patches
 
 
 PROFILE_FILE = "upstream_kernels.json"
 
 
-def profile_patches(start: int, count: int) -> list[Patch]:
+def profile_patches(start: int, count: int, device_only: bool = False) -> list[Patch]:
     """torch.profiler around optimizer steps ``start .. start+count-1``; rank 0 writes every CUDA
     kernel's calls and total µs to ``upstream_kernels.json`` in the working directory, in the
     format of the ``kernels`` table of ``speedrun profile``'s profile.json (so
-    ``benchmarks/compare_kernels.py`` can put the two side by side).  Those steps' logged times
-    include the profiler's overhead."""
+    ``benchmarks/compare_kernels.py`` can put the two side by side), built by the same function
+    (``speedrun.evidence.profile.kernel_table``, imported from this repository).  ``device_only``:
+    CUDA activity alone, and the file also gets ``timeline`` (``gpu_timeline``: span, busy and idle
+    µs over the profiled steps).  Those steps' logged times include the profiler's overhead."""
     last = start + count - 1
+    activities = "[torch.profiler.ProfilerActivity.CUDA]" if device_only else (
+        "[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]")
     begin = (f"    if step == {start}:  {TAG} kernel profile of steps {start}..{last}\n"
              "        torch.cuda.synchronize()\n"
-             "        _speedrun_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,\n"
-             "                                                            torch.profiler.ProfilerActivity.CUDA])\n"
+             f"        _speedrun_prof = torch.profiler.profile(activities={activities})\n"
              "        _speedrun_prof.__enter__()\n")
     end = (f"    if step == {last}:  {TAG} end of the kernel profile\n"
            "        torch.cuda.synchronize()\n"
            "        _speedrun_prof.__exit__(None, None, None)\n"
            "        if master_process:\n"
-           "            import json as _speedrun_json\n"
-           "            _speedrun_k = {}\n"
-           "            for _e in _speedrun_prof.events():\n"
-           "                if _e.device_type == torch.autograd.DeviceType.CUDA:\n"
-           "                    _r = _speedrun_k.setdefault(_e.name, {'kernel': _e.name, 'calls': 0, 'time_us': 0.0})\n"
-           "                    _r['calls'] += 1\n"
-           "                    _r['time_us'] += float(_e.time_range.elapsed_us())\n"
+           "            import json as _speedrun_json, sys as _speedrun_sys\n"
+           f"            _speedrun_sys.path.insert(0, {str(REPO)!r})\n"
+           "            from speedrun.evidence.profile import gpu_timeline, kernel_table\n"
+           "            _speedrun_events = _speedrun_prof.events()\n"
+           f"            _speedrun_out = {{'arm': 'upstream-f411b3d', 'steps': {count}, 'first_step': {start},\n"
+           f"                             'device_only': {device_only!r}, 'kernels': kernel_table(_speedrun_events)}}\n"
+           f"            if {device_only!r}:\n"
+           "                _speedrun_out['timeline'] = gpu_timeline(_speedrun_events)\n"
            f"            with open({PROFILE_FILE!r}, 'w') as _f:\n"
-           f"                _speedrun_json.dump({{'arm': 'upstream-f411b3d', 'steps': {count}, 'first_step': {start},\n"
-           "                                     'kernels': sorted(_speedrun_k.values(), key=lambda r: -r['time_us'])}, _f)\n"
+           "                _speedrun_json.dump(_speedrun_out, _f)\n"
            "        del _speedrun_prof\n")
     train_anchor = "    # --------------- TRAINING SECTION -----------------\n"
     step_anchor = "    model.quantize_mlp_fp8(bootstrap_down=(step < 16))\n"
@@ -390,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cu_seqlens entries per training micro-batch: N for all shapes, or T:N,... (default 256)")
     ap.add_argument("--profile", metavar="START:COUNT", type=parse_profile, default=(-1, 0),
                     help=f"torch.profiler over steps START..START+COUNT-1; kernels to {PROFILE_FILE} (default: off)")
+    ap.add_argument("--profile-device-only", action="store_true",
+                    help="with --profile: record CUDA activity only (little host cost) and add the GPU timeline")
     return ap
 
 
@@ -406,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     opts = BenchOptions(scheduled=args.scheduled, extension=args.extension, val_tokens=args.val_tokens,
                         val_every=args.val_every, train_files=args.train_files, val_files=args.val_files,
-                        profile_start=args.profile[0], profile_steps=args.profile[1])
+                        profile_start=args.profile[0], profile_steps=args.profile[1],
+                        profile_device_only=args.profile_device_only)
     if args.max_docs is not None:
         opts.max_docs = args.max_docs
     try:

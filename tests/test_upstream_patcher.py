@@ -101,12 +101,14 @@ def test_aligned_copy_survives_inductor():
     assert ", 3)" not in call and ", 5)" not in call, call
 
 
-def test_profile_patch_writes_a_kernel_table(tmp_path, monkeypatch):
+@pytest.mark.parametrize("device_only", [False, True])
+def test_profile_patch_writes_a_kernel_table(tmp_path, monkeypatch, device_only):
     """--profile START:COUNT wraps exactly those steps in torch.profiler and rank 0 writes the
-    kernel table (run here on a stand-in loop with both anchors; no CUDA, so no kernels)."""
+    kernel table (run here on a stand-in loop with both anchors; no CUDA, so no kernels);
+    --profile-device-only records CUDA activity alone and adds the timeline."""
     from types import SimpleNamespace
 
-    opts = up.BenchOptions(profile_start=2, profile_steps=2)
+    opts = up.BenchOptions(profile_start=2, profile_steps=2, profile_device_only=device_only)
     patches = [p for p in up.train_patches(opts) if p.name.startswith("profile-")]
     assert [p.name for p in patches] == ["profile-start", "profile-stop"]
     loop = ("for step in range(6):\n"
@@ -129,11 +131,16 @@ def test_profile_patch_writes_a_kernel_table(tmp_path, monkeypatch):
           "model": SimpleNamespace(quantize_mlp_fp8=lambda bootstrap_down: None)}
     exec(compile(code, "train_gpt.py", "exec"), ns)
     assert len(entered) == 1 and len(ns["ran"]) == 6
+    cuda = torch.profiler.ProfilerActivity.CUDA
+    assert entered[0]["activities"] == ([cuda] if device_only else [torch.profiler.ProfilerActivity.CPU, cuda])
     got = json.loads((tmp_path / up.PROFILE_FILE).read_text())
     assert got["steps"] == 2 and got["first_step"] == 2 and got["kernels"] == []
+    assert got["device_only"] is device_only and ("timeline" in got) is device_only
     with pytest.raises(up.PatchError, match="--profile"):
         up.validate(up.BenchOptions(profile_start=134, profile_steps=2))
     assert up.parse_profile("130:2") == (130, 2)
+    with pytest.raises(up.PatchError, match="needs --profile"):
+        up.validate(up.BenchOptions(profile_device_only=True))
 
 
 def test_bad_options_fail_before_any_gpu_time():
@@ -165,13 +172,15 @@ def upstream_src() -> Path:
 def test_real_upstream_patches_cleanly(upstream_src, tmp_path):
     out = tmp_path / "up"
     rc = up.main(["--src", str(upstream_src), "--out", str(out), "--train-files", "/x/webmix_train_*.bin",
-                  "--val-files", "/x/webmix_val_*.bin", "--profile", "130:2"])
+                  "--val-files", "/x/webmix_val_*.bin", "--profile", "130:2", "--profile-device-only"])
     assert rc == 0
     assert sorted(p.name for p in out.iterdir()) == sorted([*up.UPSTREAM_FILES, "fa3_shim.py", "bench_config.json"])
     py_compile.compile(str(out / "train_gpt.py"), doraise=True)
     text = (out / "train_gpt.py").read_text()
     assert "import fa3_shim" in text and "flash_attn_interface = fa3_shim" in text
     assert "if step == 130:" in text and "if step == 131:" in text and up.PROFILE_FILE in text
+    assert "activities=[torch.profiler.ProfilerActivity.CUDA])" in text and "gpu_timeline(" in text
+    assert json.loads((out / "bench_config.json").read_text())["profile_device_only"] is True
     assert f"scale_a={up.aligned_copy('activation_scale')}" in (out / "triton_kernels.py").read_text()
 
 
@@ -312,3 +321,21 @@ def test_compare_kernels_per_step_and_by_family(tmp_path, capsys):
     assert "difference +1.09 ms" in capsys.readouterr().out
     a.write_text("{}")
     assert cmp.main([str(a), str(b)]) == 2 and "needs 'steps'" in capsys.readouterr().err
+
+
+def test_compare_kernels_prints_both_timelines(tmp_path, capsys):
+    """Device-only profiles carry the GPU timeline (µs over all profiled steps): compared per step."""
+    cmp = _load("compare_kernels")
+    k = [{"kernel": "nvjet_sm90_tst_256x128", "calls": 2, "time_us": 1000.0}]
+    ours = {"steps": 2, "kernels": k, "timeline": {"span_us": 1_400_000.0, "busy_us": 1_300_000.0, "gaps": 12000}}
+    theirs = {"steps": 1, "kernels": k, "timeline": {"span_us": 640_000.0, "busy_us": 630_000.0, "gaps": 4000}}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(ours))
+    b.write_text(json.dumps(theirs))
+    assert cmp.main([str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "ours busy 650.00 of 700.00 ms (6000 gaps), theirs busy 630.00 of 640.00 ms (4000 gaps)" in out
+    assert "busy difference +20.00 ms" in out
+    del theirs["timeline"]
+    b.write_text(json.dumps(theirs))
+    assert cmp.main([str(a), str(b)]) == 0 and "only one side is a device-only profile" in capsys.readouterr().out
