@@ -449,8 +449,9 @@ def _ce_fwd_bwd_kernel(
     # thousands of rows are in flight, pass 2 misses L2, and Nsight Compute measured 2.0x the
     # logits' bytes read (seventh device session); ``max_programs`` bounds the rows in flight.
     # REVERSE_PASS2 walks pass 2 from the row's end, so it starts on the chunks pass 1 read last
-    # (the likeliest still cached); CACHE_HINTS asks L2 to keep pass 1's lines (evict_last) and
-    # to drop pass 2's and the gradient's first (evict_first).
+    # (the likeliest still cached); CACHE_HINTS marks pass 1's loads evict_last and pass 2's loads
+    # and the gradient's stores evict_first (on sm_90 Triton emits both the L1 priority and an L2
+    # cache-hint policy for them).
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
     # Under torch.compile, Inductor launches this kernel with fp64 float arguments; keep all the
@@ -683,8 +684,9 @@ def softcapped_ce_fwd_bwd(
     ``sigmoid``: "exact" or "tanh" (the hardware's approximate tanh where :func:`hardware_tanh`
     says so, else an exact tanh through the same identity); None: the module's ``SIGMOID``.
     ``reverse_second_pass``: the gradient pass walks each row from its end (it starts on what the
-    first pass read last, the likeliest to be cached); ``cache_hints``: L2 eviction hints (keep the
-    first pass's lines, drop the second pass's and the gradient's first).  Neither changes a result.
+    first pass read last, the likeliest to be cached); ``cache_hints``: L1/L2 eviction priorities
+    (keep the first pass's lines, drop the second pass's and the gradient's first).  Neither
+    changes a result.
     """
     vocab_size = _check_logits(logits, vocab_size)
     sigmoid = SIGMOID if sigmoid is None else sigmoid
