@@ -92,8 +92,7 @@ class ModelConfig:
     # Gradient of the record network's embedding tables (embed, value and bigram embeddings):
     # "autograd" (a dense table-sized gradient per micro-batch, added into .grad), or the looked-up
     # rows' gradients added into an fp32 accumulator that the training step hands to .grad once
-    # per optimizer step (speedrun.model.embedding_grad), the rows added by "atomic" (one atomic
-    # add per element) or "sorted" (rows sorted, repeats summed in registers first) kernels.
+    # per optimizer step (speedrun.model.embedding_grad), the rows added by "atomic" fp32 adds.
     embedding_grad: str = "autograd"
 
     @property
@@ -117,7 +116,7 @@ class ModelConfig:
             raise ConfigError(f"rope_fraction must lie in [0, 1], got {self.rope_fraction}")
         choices = {"kernels": ("reference", "triton", "fp8", "fp8_full"),
                    "qkv_path": ("reference", "fused", "fused_fp8"), "architecture": ("core", "record"),
-                   "fp8_input_scaling": ("current", "delayed"), "embedding_grad": ("autograd", "atomic", "sorted")}
+                   "fp8_input_scaling": ("current", "delayed"), "embedding_grad": ("autograd", "atomic")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}; known: {', '.join(allowed)}")

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 from speedrun.config import ModelConfig
 from speedrun.errors import ConfigError
-from speedrun.model import embedding_grad
 from speedrun.model.embedding_grad import EmbeddingGradAccumulator
 from speedrun.model.interface import ForwardArgs
 from speedrun.model.record import RecordGPT
@@ -19,14 +18,7 @@ from speedrun.model.record import RecordGPT
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_methods_match_the_kernels():
-    from speedrun.kernels.row_accumulate import METHODS
-
-    assert METHODS == embedding_grad.METHODS
-
-
-@pytest.mark.parametrize("method", ["atomic", "sorted"])
-def test_lookup_gradients_with_repeated_rows_equal_autograd(method):
+def test_lookup_gradients_with_repeated_rows_equal_autograd():
     """Two micro-batches with repeated rows, on top of an existing gradient (Adam's half-summed
     one): after the flush, .grad is what autograd's dense route gives."""
     g = torch.Generator().manual_seed(0)
@@ -35,7 +27,7 @@ def test_lookup_gradients_with_repeated_rows_equal_autograd(method):
     w_acc = torch.nn.Parameter(table.clone())
     start = torch.randn(20, 8, generator=g)
     w_ref.grad, w_acc.grad = start.clone(), start.clone()
-    acc = EmbeddingGradAccumulator(method)
+    acc = EmbeddingGradAccumulator()
     for _ in range(2):
         rows = torch.randint(0, 20, (50,), generator=g)
         rows[:10] = 3  # one row many times
@@ -99,8 +91,7 @@ def _batch(seed: int, T: int = 64):
                            cu_seqlens=torch.tensor([0, 30, T, T], dtype=torch.int32), max_seqlen=T, bigram=None)
 
 
-@pytest.mark.parametrize("method", ["atomic", "sorted"])
-def test_record_model_accumulated_gradients_equal_autograd(method):
+def test_record_model_accumulated_gradients_equal_autograd():
     """The record network, two micro-batches: every parameter's gradient after the flush equals
     the autograd route's (embed, value and bigram tables through the accumulator, the rest as
     before), and the losses are the same."""
@@ -109,7 +100,7 @@ def test_record_model_accumulated_gradients_equal_autograd(method):
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.02)  # off the zero inits (bigram table) so every path carries signal
-    acc = RecordGPT(_tiny(method))
+    acc = RecordGPT(_tiny("atomic"))
     acc.load_state_dict(ref.state_dict())
     args = ForwardArgs(window_short=16, window_long=48, mtp_weights=(1.0, 0.5), prefix_weight=0.0)
     for seed in (1, 2):
@@ -140,9 +131,7 @@ def test_embedding_grad_switch_is_validated():
         ModelConfig(embedding_grad="sparse").validate()
     with pytest.raises(ConfigError, match="architecture=record only"):
         ModelConfig(embedding_grad="atomic").validate()
-    with pytest.raises(ValueError, match="method must be one of atomic, sorted"):
-        EmbeddingGradAccumulator("dense")
-    with pytest.raises(RuntimeError, match="embedding_grad='atomic' or 'sorted'"):
+    with pytest.raises(RuntimeError, match="embedding_grad='atomic'"):
         RecordGPT(_tiny("autograd")).embedding_lookups(_batch(0))
 
 

@@ -21,18 +21,14 @@ from __future__ import annotations
 
 import torch
 
-# The row-add kernels of speedrun.kernels.row_accumulate (its METHODS; not imported here: it needs Triton).
-METHODS = ("atomic", "sorted")
-
-
 class _AccumulatingLookup(torch.autograd.Function):
     """``weight[rows]`` forward; backward adds the output gradient's rows into ``acc`` (fp32,
     ``weight``'s shape) and returns no gradient for ``weight``."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, rows: torch.Tensor, acc: torch.Tensor, method: str) -> torch.Tensor:
+    def forward(ctx, weight: torch.Tensor, rows: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(rows)
-        ctx.acc, ctx.method = acc, method
+        ctx.acc = acc
         return weight.index_select(0, rows)
 
     @staticmethod
@@ -41,10 +37,10 @@ class _AccumulatingLookup(torch.autograd.Function):
         if grad.is_cuda:
             from speedrun.kernels.row_accumulate import accumulate_rows
 
-            accumulate_rows(ctx.acc, rows, grad, ctx.method)
+            accumulate_rows(ctx.acc, rows, grad)
         else:  # the kernels' reference (their own tests run them in Triton's CPU interpreter)
             ctx.acc.index_add_(0, rows, grad.to(ctx.acc.dtype))
-        return None, None, None, None
+        return None, None, None
 
 
 class EmbeddingGradAccumulator:
@@ -52,13 +48,10 @@ class EmbeddingGradAccumulator:
 
     ``lookup(weight, rows)``: ``weight[rows]`` (``rows`` 1-D integer indices into the first dim)
     whose gradient goes into the accumulator when autograd reaches it.  ``flush()``: add each
-    accumulator into its parameter's ``.grad`` (created when None) and zero it.  ``method``: how
-    the backward adds rows, "atomic" or "sorted" (:mod:`speedrun.kernels.row_accumulate`)."""
+    accumulator into its parameter's ``.grad`` (created when None) and zero it.  The backward adds
+    rows with :func:`speedrun.kernels.row_accumulate.accumulate_rows` (atomic fp32 adds)."""
 
-    def __init__(self, method: str = "atomic") -> None:
-        if method not in METHODS:
-            raise ValueError(f"EmbeddingGradAccumulator: method must be one of {', '.join(METHODS)}, got {method!r}")
-        self.method = method
+    def __init__(self) -> None:
         self._acc: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
         self._pending = False
 
@@ -71,7 +64,7 @@ class EmbeddingGradAccumulator:
         if entry is None or entry[0] is not weight or entry[1].shape != weight.shape or entry[1].device != weight.device:
             entry = self._acc[id(weight)] = (weight, torch.zeros(weight.shape, dtype=torch.float32, device=weight.device))
         self._pending = True
-        return _AccumulatingLookup.apply(weight, rows, entry[1], self.method)
+        return _AccumulatingLookup.apply(weight, rows, entry[1])
 
     def pending(self) -> bool:
         """True when lookups ran with gradient since the last :meth:`flush` (their backward may

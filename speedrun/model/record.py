@@ -328,7 +328,7 @@ class RecordGPT(nn.Module):
         self._hidden_fn = None  # torch.compile'd hidden (compile_body), else the eager method
         self._kernel_handles: dict[tuple, int] = {}
         self._embedding_grads = (None if model_cfg.embedding_grad == "autograd"
-                                 else EmbeddingGradAccumulator(model_cfg.embedding_grad))
+                                 else EmbeddingGradAccumulator())
         if model_cfg.qkv_path != "reference":
             self._register_qkv_kernels()
 
@@ -829,7 +829,7 @@ class RecordGPT(nn.Module):
         self._hidden_fn = None
         self._kernel_handles = {}
         if self._embedding_grads is not None:  # the original's accumulators belong to its parameters
-            self._embedding_grads = EmbeddingGradAccumulator(self._embedding_grads.method)
+            self._embedding_grads = EmbeddingGradAccumulator()
         if self.cfg.qkv_path != "reference":
             self._register_qkv_kernels()
 
@@ -869,11 +869,11 @@ class RecordGPT(nn.Module):
 
     def embedding_lookups(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The embedding tables' rows for ``batch``, looked up outside the compiled network so their
-        gradient accumulates in place (``model.embedding_grad`` "atomic" or "sorted"): ``embed[inputs]``
+        gradient accumulates in place (``model.embedding_grad="atomic"``): ``embed[inputs]``
         (T, D), ``bigram_embed[bigram]`` (T, bigram_dim) before its signs, and the value
         embeddings (n_ve, T, D).  :meth:`flush_embedding_grads` moves the gradients to ``.grad``."""
         if self._embedding_grads is None:
-            raise RuntimeError("embedding_lookups needs model.embedding_grad='atomic' or 'sorted'")
+            raise RuntimeError("embedding_lookups needs model.embedding_grad='atomic'")
         inputs = batch.inputs.long()
         if inputs.dim() != 1:
             raise ValueError(f"RecordGPT: batch.inputs must be (T,), got {tuple(inputs.shape)}")
