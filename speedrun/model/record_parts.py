@@ -200,21 +200,25 @@ def dc_postonly_correction(
     W, B = window, block
     nb = -(-T // B)
     Tp = nb * B
-    K = B + W - 1
+    # Keys of query block n: positions n B - W .. n B + B - 1.  The first is never within the
+    # window of any query (the band needs B + W - 1 keys), but B + W keeps the batched GEMMs'
+    # key dimension a multiple of 8 at the record's shape (128 + 112 = 240): cuBLAS ran the odd
+    # 239 on slow alignment-1 kernels (~3.4 ms per stage-3 step, sixteenth device session).
+    K = B + W
     f32 = torch.float32
     dev = q.device
 
     def keys_band(x: torch.Tensor) -> torch.Tensor:  # (T, H, D) -> (nb, H, D, K)
-        pad = torch.cat((x.new_zeros(W - 1, *x.shape[1:]), x, x.new_zeros(Tp - T, *x.shape[1:])))
+        pad = torch.cat((x.new_zeros(W, *x.shape[1:]), x, x.new_zeros(Tp - T, *x.shape[1:])))
         return pad.unfold(0, K, B)
 
     def queries(x: torch.Tensor) -> torch.Tensor:  # (T, ...) -> (nb, B, ...)
         return torch.cat((x, x.new_zeros(Tp - T, *x.shape[1:]))).view(nb, B, *x.shape[1:])
 
     doc = document_ids(cu_seqlens.to(dev), T)
-    doc_k = torch.cat((doc.new_full((W - 1,), -1), doc, doc.new_full((Tp - T,), -2))).unfold(0, K, B)  # (nb, K)
+    doc_k = torch.cat((doc.new_full((W,), -1), doc, doc.new_full((Tp - T,), -2))).unfold(0, K, B)  # (nb, K)
     doc_q = torch.cat((doc, doc.new_full((Tp - T,), -3))).view(nb, B)
-    rel = torch.arange(B, device=dev)[:, None] - torch.arange(K, device=dev)[None, :] + (W - 1)
+    rel = torch.arange(B, device=dev)[:, None] - torch.arange(K, device=dev)[None, :] + W  # query - key position
     band = (rel >= 0) & (rel < W)  # (B, K)
     valid = band[None] & (doc_q[:, :, None] == doc_k[:, None, :])  # (nb, B, K)
 
@@ -224,7 +228,10 @@ def dc_postonly_correction(
     s = torch.einsum("nbhd,nhdk->nhbk", qb, kb) * scale
     s = s.masked_fill(~valid[:, None], -1e30)
     p = torch.softmax(s, dim=-1) * valid[:, None]  # rows with no valid key (padding) become 0
-    a = torch.einsum("nhbk,nbh->nbk", p, queries(w1.to(f32)))
+    # The head mix as a broadcast product and sum, not an einsum: einsum made it a batched GEMM
+    # whose backward is 49,152 outer products (K = 1; 3.4 ms per stage-3 step), where Inductor
+    # fuses this form's backward into the softmax's.
+    a = (p * queries(w1.to(f32)).permute(0, 2, 1)[..., None]).sum(1)  # (nb, B, K)
     av = torch.einsum("nbk,nhdk->nbhd", a, vb)  # (nb, B, H, Dv)
     corr = (av * queries(w2.to(f32))[..., None]).reshape(Tp, H, Dv)[:T]
     return (base.to(f32) + corr).to(base.dtype)
