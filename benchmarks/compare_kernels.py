@@ -85,10 +85,10 @@ def render(res: dict) -> str:
         o, th = tl["ours"], tl["theirs"]
         lines[1:1] = [f"GPU timeline per step: ours busy {o['busy_ms']:.2f} of {o['span_ms']:.2f} ms "
                       f"({o['gaps']:.0f} gaps), theirs busy {th['busy_ms']:.2f} of {th['span_ms']:.2f} ms "
-                      f"({th['gaps']:.0f} gaps), busy difference {o['busy_ms'] - th['busy_ms']:+.2f} ms", ""]
+                      f"({th['gaps']:.0f} gaps), busy difference {o['busy_ms'] - th['busy_ms']:+.2f} ms"]
     elif tl.get("ours") or tl.get("theirs"):
         lines[1:1] = ["(only one side is a device-only profile: its kernels ran under less profiler load, "
-                      "so kernel times compare loosely)", ""]
+                      "so kernel times compare loosely)"]
     for name, v in res["families"].items():
         lines.append(f"{name:28} {v['ours_ms']:9.2f} {v['theirs_ms']:10.2f} {v['ours_ms'] - v['theirs_ms']:+8.2f}")
     lines += ["", f"{'kernel (largest differences)':70} {'ours ms':>8} {'calls':>6} {'theirs ms':>9} {'calls':>6}"]
