@@ -33,9 +33,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated sigmoid routes the block-size sweep covers (exact, tanh)")
     p.add_argument("--sweep-persistent", action="store_true",
                    help="also sweep persistent grids (slower at every setting in the eighth session)")
-    p.add_argument("--sweep-l2", action="store_true",
-                   help="the kernel's L2 knobs (reverse_second_pass x cache_hints) on the default grid and "
-                        "on persistent grids, e5m2 gradient, each --sweep-sigmoid route, two rounds")
     p.add_argument("--ce-only", action="store_true", help="stop after the CE kernel's cases (no GEMMs, no head)")
     p.add_argument("--sm-clock-mhz", type=float, default=1980.0,
                    help="SM clock for the SFU floor (H200 boost: 1980)")
@@ -170,35 +167,6 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{label}: failed {type(e).__name__}", flush=True)
                         continue
                     record(label, ms, bytes_moved=n * v * 3, min_bytes=n * v * 3)
-    if args.sweep_l2:
-        # Both passes read the 100 KB row; the second misses L2 when thousands of rows are in
-        # flight (ncu: 1.66x the compulsory bytes with tanh).  Knobs: the gradient pass from the
-        # row's end (first the chunks read last), L2 eviction hints, and fewer rows in flight
-        # (persistent grids; big chunks x many warps keep one program per SM busy).
-        from speedrun.kernels.fp8_cache import sm_count
-
-        sms = sm_count(torch.device(dev))
-        grids = ((None, None, 4), (1024, 4 * sms, 4), (4096, sms, 16), (8192, sms, 16), (16384, sms, 16),
-                 (8192, 2 * sms, 8), (16384, 2 * sms, 16))
-        for rnd in range(2):
-            for sig in args.sweep_sigmoid.split(","):
-                for block_v, programs, warps in grids:
-                    for reverse in (False, True):
-                        for hints in (False, True):
-                            fn = lambda: softcapped_ce_fwd_bwd(  # noqa: E731
-                                logits, targets, mtp, prefix, pw, vocab_size=vocab, grad_out_scale=1 / GRAD_UNIT_SCALE,
-                                grad_dtype=torch.float8_e5m2, losses_out=out_l, dlogits_out=out_d, block_v=block_v,
-                                num_warps=warps, max_programs=programs, sigmoid=sig, reverse_second_pass=reverse,
-                                cache_hints=hints)
-                            grid = "grid" if programs is None else f"v{block_v}_w{warps}_{programs // sms}perSM"
-                            label = (f"l2_{sig}_{grid}{'_rev' if reverse else ''}{'_hints' if hints else ''}"
-                                     f"{'' if rnd == 0 else '_again'}")
-                            try:
-                                ms = bench(fn)
-                            except Exception as e:  # a config may not compile (registers, shared memory)
-                                print(f"{label}: failed {type(e).__name__}", flush=True)
-                                continue
-                            record(label, ms, bytes_moved=n * v * 3, min_bytes=n * v * 3)
     del logits
 
     # --- pieces of the FP8 head, to see where its time goes

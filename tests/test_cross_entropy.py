@@ -454,26 +454,6 @@ def test_kernel_persistent_grid_equals_one_program_per_block(max_programs):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("reverse, hints", [(True, False), (False, True), (True, True)])
-def test_kernel_cache_knobs_change_no_byte(reverse, hints):
-    """reverse_second_pass (the gradient pass from the row's end, its partial last chunk first) and
-    cache_hints only reorder loads and hint the cache: losses and gradients byte-equal to the
-    default's, every column written (outputs poisoned first; 4 row blocks over 3 programs)."""
-    logits, targets, prefix = make_batch(seed=11)
-    w = [1.0, 0.5]
-    kw = dict(softcap=DEFAULT_SOFTCAP, vocab_size=VOCAB, grad_out_scale=1 / ce.GRAD_UNIT_SCALE,
-              grad_dtype=torch.float8_e5m2, block_m=16, block_v=256)
-    assert V_PAD % kw["block_v"] != 0, "the test needs a partial last chunk"
-    want_l, want_d = softcapped_ce_fwd_bwd(logits, targets, w, prefix, 0.25, **kw)
-    losses = torch.full((N,), float("nan"))
-    dlogits = torch.full((N, V_PAD), float("nan")).to(torch.float8_e5m2)
-    softcapped_ce_fwd_bwd(logits, targets, w, prefix, 0.25, losses_out=losses, dlogits_out=dlogits,
-                          max_programs=3, reverse_second_pass=reverse, cache_hints=hints, **kw)
-    assert torch.equal(losses, want_l)
-    assert torch.equal(dlogits.view(torch.uint8), want_d.view(torch.uint8))
-
-
-@needs_interpreter
 def test_ce_sigmoid_switch_reaches_the_head(monkeypatch):
     """train.ce_sigmoid: configure_kernel_launch sets the module's SIGMOID (checked), and the head's
     kernel launch then uses it."""

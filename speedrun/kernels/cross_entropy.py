@@ -308,16 +308,14 @@ def softcapped_ce_fwd_bwd_reference(
     num_warps: int = 4,
     max_programs: int | None = None,
     sigmoid: str | None = None,
-    reverse_second_pass: bool = False,
-    cache_hints: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`softcapped_ce_fwd_bwd` (same signature), by autograd in fp32.
 
     Returns ``(losses, dlogits)``: losses (N,) fp32; dlogits (N, V_pad) in ``grad_dtype`` (default
     ``logits.dtype``; ``torch.float8_e5m2`` saturates at +-57344) equal to
     ``grad_out_scale * d(sum_t loss_t)/d logits``, zero in padded columns.  ``block_v``,
-    ``block_m``, ``num_warps``, ``max_programs``, ``reverse_second_pass`` and ``cache_hints``
-    (tuning knobs of the kernel) and ``sigmoid`` (always exact here) are ignored.
+    ``block_m``, ``num_warps`` and ``max_programs`` (tuning knobs of the kernel) and ``sigmoid``
+    (always exact here) are ignored.
     """
     vocab_size = _check_logits(logits, vocab_size)
     _check_targets(logits.shape[0], targets, prefix_targets, vocab_size, check_targets)
@@ -440,18 +438,12 @@ def _ce_fwd_bwd_kernel(
     TANH_ASM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    REVERSE_PASS2: tl.constexpr,
-    CACHE_HINTS: tl.constexpr,
 ):
     # Each program owns BLOCK_M whole rows at a time.  Pass 1 reads them for the log-sum-exp, pass 2
     # reads them again and writes dlogits densely (softmax part only); a third step rewrites the
     # few target columns.  At the record's vocab a row is 100 KB: with one program per row block
     # thousands of rows are in flight, pass 2 misses L2, and Nsight Compute measured 2.0x the
     # logits' bytes read (seventh device session); ``max_programs`` bounds the rows in flight.
-    # REVERSE_PASS2 walks pass 2 from the row's end, so it starts on the chunks pass 1 read last
-    # (the likeliest still cached); CACHE_HINTS marks pass 1's loads evict_last and pass 2's loads
-    # and the gradient's stores evict_first (on sm_90 Triton emits both the L1 priority and an L2
-    # cache-hint policy for them).
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
     # Under torch.compile, Inductor launches this kernel with fp64 float arguments; keep all the
@@ -488,12 +480,7 @@ def _ce_fwd_bwd_kernel(
                 cols = start + offs
                 real = cols < vocab_size
                 in_row = cols < n_cols
-                if CACHE_HINTS:
-                    z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & in_row[None, :], other=0.0,
-                                eviction_policy="evict_last").to(tl.float32)
-                else:
-                    z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & in_row[None, :],
-                                other=0.0).to(tl.float32)
+                z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & in_row[None, :], other=0.0).to(tl.float32)
                 e = tl.exp2(_softcap_u(z, k1, k2, SIGMOID_TANH, TANH_ASM) * a_log2e - a_log2e)
                 acc += tl.where(real[None, :], e, 0.0)
                 start += BLOCK_V
@@ -539,21 +526,12 @@ def _ce_fwd_bwd_kernel(
         coef = weight_sum * grad_mult
         if SOFTCAP:
             coef = coef * a_over_c
-        n_chunks = tl.cdiv(n_cols, BLOCK_V)
-        chunk = 0
-        while chunk < n_chunks:
-            if REVERSE_PASS2:
-                cols = (n_chunks - 1 - chunk) * BLOCK_V + offs
-            else:
-                cols = chunk * BLOCK_V + offs
+        start = 0
+        while start < n_cols:
+            cols = start + offs
             real = cols < vocab_size
             in_row = cols < n_cols
-            if CACHE_HINTS:
-                z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & in_row[None, :], other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)
-            else:
-                z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & in_row[None, :],
-                            other=0.0).to(tl.float32)
+            z = tl.load(logit_rows + cols[None, :], mask=row_ok[:, None] & in_row[None, :], other=0.0).to(tl.float32)
             if SOFTCAP:
                 u = _softcap_u(z, k1, k2, SIGMOID_TANH, TANH_ASM)
                 p = tl.exp2(u * a_log2e - lse_log2e[:, None])
@@ -562,12 +540,8 @@ def _ce_fwd_bwd_kernel(
                 g = tl.exp2(z * LOG2E - lse_log2e[:, None]) * coef[:, None]
             g = tl.where(real[None, :], g, 0.0)
             out = _grad_cast(g, dlogits_ptr, GRAD_FP8, SOFT_ROUND, SOFT_ROUND_BF16)
-            if CACHE_HINTS:
-                tl.store(grad_rows + cols[None, :], out, mask=row_ok[:, None] & in_row[None, :],
-                         eviction_policy="evict_first")
-            else:
-                tl.store(grad_rows + cols[None, :], out, mask=row_ok[:, None] & in_row[None, :])
-            chunk += 1
+            tl.store(grad_rows + cols[None, :], out, mask=row_ok[:, None] & in_row[None, :])
+            start += BLOCK_V
 
         # Sparse correction: rewrite each target column with its full value.  A column hit by several
         # terms gets the same value from each (idempotent).  The barrier orders these stores after
@@ -665,8 +639,6 @@ def softcapped_ce_fwd_bwd(
     num_warps: int = 4,
     max_programs: int | None = None,
     sigmoid: str | None = None,
-    reverse_second_pass: bool = False,
-    cache_hints: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and its logits gradient in one Triton pass (forward and backward together).
 
@@ -683,10 +655,6 @@ def softcapped_ce_fwd_bwd(
     fewer rows in flight, so the second pass over a row can hit L2); None = one program per block.
     ``sigmoid``: "exact" or "tanh" (the hardware's approximate tanh where :func:`hardware_tanh`
     says so, else an exact tanh through the same identity); None: the module's ``SIGMOID``.
-    ``reverse_second_pass``: the gradient pass walks each row from its end (it starts on what the
-    first pass read last, the likeliest to be cached); ``cache_hints``: L1/L2 eviction priorities
-    (keep the first pass's lines, drop the second pass's and the gradient's first).  Neither
-    changes a result.
     """
     vocab_size = _check_logits(logits, vocab_size)
     sigmoid = SIGMOID if sigmoid is None else sigmoid
@@ -770,8 +738,6 @@ def softcapped_ce_fwd_bwd(
             TANH_ASM=sigmoid == "tanh" and hardware_tanh(device),
             BLOCK_M=block_m,
             BLOCK_V=block_v,
-            REVERSE_PASS2=bool(reverse_second_pass),
-            CACHE_HINTS=bool(cache_hints),
             num_warps=num_warps,
         )
     return losses_out, dlogits_out
