@@ -14,7 +14,11 @@ is pure host work: Python, argument checks, allocation, the launch itself):
   the cache key and the device/stream queries, and ``speedrun.kernels.launch.launch`` (the cache
   our launchers use: its key, then the handle, with any launch hooks registered in this process);
 * our calls: ``abs_max``, the quantise kernel alone, ``quantize_current``, the FP8 ReLU² up GEMM
-  (TMA descriptors + launch), ``scaled_mm``, and the opaque custom-op round trip
+  (TMA descriptors + launch) as the record calls it and as the candidate does (both FP8 layouts
+  stored through TMA: six descriptors), the candidate's FP8 dpre GEMM, ``scaled_mm``, one whole
+  FP8 MLP layer forward + backward as the candidate runs it (``relu2_mlp`` in ``fp8_full`` with
+  cached weights, its scales ready, current and delayed input scaling: every host step of the
+  opaque body but the custom-op round trip), and the opaque custom-op round trip
   (``torch.ops.speedrun.opaque_fwd`` around a kernel that only copies).
 
 Prints microseconds per call (median of 5 rounds of 20 calls) and writes ``$OUT/bench_host.json``.
@@ -81,7 +85,7 @@ def main(argv=None) -> int:
         return 2
     from speedrun.kernels import mlp as M
     from speedrun.kernels import opaque
-    from speedrun.kernels.fp8_cache import E4M3, abs_max, quantize_current, quantize_dual_layout
+    from speedrun.kernels.fp8_cache import E4M3, E5M2, FP8Weight, abs_max, end_fp8_step, quantize_current, quantize_dual_layout
     from speedrun.kernels.fp8_ops import scaled_mm
     from speedrun.kernels.launch import launch
 
@@ -99,6 +103,23 @@ def main(argv=None) -> int:
     amax = torch.zeros((), device=dev)
     post_q = M.relu2_gemm(xq, w1q, a_scale=xs, b_scale=w1s, store_out=False, q_dtype=E4M3, q_scale=post_scale,
                           amax=amax).q
+    # the candidate's MLP layer: cached FP8 weights, delayed post/dpre scales made ready by one
+    # calibrating step (as from the second training step on)
+    cache = (FP8Weight(*quantize_current(w1)), FP8Weight(*quantize_current(w2)))
+    xg = x.clone().requires_grad_(True)
+    gy = torch.randn(T, D, device=dev).bfloat16()
+    mlp_states = {}
+    for scaling in ("current", "delayed"):
+        st = M.MLPScaleState.create(dev, input_scaling=scaling)
+        for _ in range(2):  # calibrate, end the step, run once more with the scales ready
+            torch.autograd.grad(M.relu2_mlp(xg, w1, w2, mode="fp8_full", cache=cache, scales=st), xg, gy)
+            end_fp8_step([st])
+        mlp_states[scaling] = st
+    dpre_scale = torch.tensor(1e-3, device=dev)
+    post_qt = M.relu2_gemm(xq, w1q, a_scale=xs, b_scale=w1s, store_out=False, q_dtype=E4M3, q_scale=post_scale,
+                           emit_transposed=True, amax=amax)
+    gq, _, gs = quantize_current(gy, fp8_dtype=E5M2, transposed=False)
+    w2tq = quantize_current(w2.t().contiguous(), transposed=False)[0]
     many = {**{f"C{i}": i for i in range(10)}, **{f"F{i}": float(i) + 0.5 for i in range(10)},
             **{f"B{i}": bool(i % 2) for i in range(10)}}
     copy_kernel = opaque.register(opaque.OpaqueKernel(
@@ -116,7 +137,16 @@ def main(argv=None) -> int:
         ("quantize_current, both layouts", lambda: quantize_current(x)),
         ("relu2_gemm FP8 up (descriptors + launch)", lambda: M.relu2_gemm(
             xq, w1q, a_scale=xs, b_scale=w1s, q_dtype=E4M3, q_scale=post_scale, amax=amax)),
+        ("relu2_gemm FP8 up, both FP8 layouts (candidate)", lambda: M.relu2_gemm(
+            xq, w1q, a_scale=xs, b_scale=w1s, store_out=False, q_dtype=E4M3, q_scale=post_scale,
+            emit_transposed=True, amax=amax)),
+        ("relu2_gemm FP8 dpre, both e5m2 layouts (candidate)", lambda: M.relu2_gemm(
+            gq, w2tq, aux=post_qt.q, aux_scale=post_scale, a_scale=gs, b_scale=w2s, store_out=False,
+            q_dtype=E5M2, q_scale=dpre_scale, emit_transposed=True, amax=amax)),
         ("scaled_mm FP8 down (cuBLAS)", lambda: scaled_mm(post_q, w2q.t(), post_scale, w2s, use_fast_accum=True)),
+        *[(f"relu2_mlp fp8_full fwd+bwd, one layer, {sc} input scaling", (lambda st: lambda: torch.autograd.grad(
+            M.relu2_mlp(xg, w1, w2, mode="fp8_full", cache=cache, scales=st), xg, gy))(st))
+          for sc, st in mlp_states.items()],
         ("opaque_fwd round trip (copy kernel, no grad)", lambda: opaque.call(copy_kernel, [small])),
     ]
     stream = torch.cuda.current_stream().cuda_stream
