@@ -16,10 +16,13 @@ DEADLINE=$(( $(date +%s) + ${BUDGET_S:-570} ))
 left() { local r=$(( DEADLINE - $(date +%s) - 5 )); [ "$r" -lt "$1" ] && echo $(( r > 1 ? r : 1 )) || echo "$1"; }
 # short_run PRESET: the preset's full model and recipe on a shortened schedule (35 steps in each of the
 # three stages + 35 extension steps, so each has >= 30 timed steps after the first few), full
-# 10,485,760-token validation, log into $OUT.
+# 10,485,760-token validation, log into $OUT.  SHORT_STEPS / SHORT_EXT (default 140 / 35) change
+# the schedule, e.g. 47 / 2 to time the same steps as `upstream_f411b3d.sh --scheduled 45
+# --extension 2` (then: python3 benchmarks/upstream_step_times.py $OUT/record_short_log.txt --scheduled 45).
 short_run() {
-  log "$1 preset, shortened schedule (105 + 35 steps) on webmix"
-  timeout "$(left "$2")" python3 -m speedrun train --preset "$1" --steps 140 --set train.num_extension=35 \
+  local steps=${SHORT_STEPS:-140} ext=${SHORT_EXT:-35}
+  log "$1 preset, shortened schedule ($((steps - ext)) + $ext steps) on webmix"
+  timeout "$(left "$2")" python3 -m speedrun train --preset "$1" --steps "$steps" --set train.num_extension="$ext" \
     --out /tmp/runs --name "$1-short" --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" \
     --val-data "$SPEEDRUN_TEST_DATA/webmix_val_*.bin" --set train.max_docs=256 --quiet 2>&1 | tail -30
   cp /tmp/runs/"$1"-short-*/log.txt "$OUT/$1_short_log.txt" 2>/dev/null
