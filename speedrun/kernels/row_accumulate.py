@@ -4,11 +4,12 @@ The backward of an in-place-accumulating embedding lookup (:mod:`speedrun.model.
 adds each looked-up row's gradient (N, D) into an fp32 accumulator of the table (V, D); a row id
 may repeat (frequent tokens).  ``torch.index_add_`` needs the source in the accumulator's dtype:
 a (N, D) fp32 copy of the gradient is written and read again first (at stage-3 shapes 151 MB more
-per lookup, seven lookups per micro-batch).  A Triton kernel reads the bf16 rows and adds them in fp32 directly, one atomic add per element:
-N D (2 + 8) bytes (read, atomic read-modify-write).  Atomic adds make the order of the fp32 sums,
-and so their last bits, vary from run to run (as autograd's own embedding backward on CUDA does).
-A variant that sorted the rows and summed each id's run in registers first (one add per distinct
-id) made the stage-3 step 2.4% slower on the H200 (sixteenth device session) and was removed.
+per lookup, seven lookups per micro-batch).  A Triton kernel reads the bf16 rows and adds them
+in fp32 directly, one atomic add per element: N D (2 + 8) bytes (read, atomic read-modify-write).
+Atomic adds make the order of the fp32 sums, and so their last bits, vary from run to run (as
+autograd's own embedding backward on CUDA does).  A variant that sorted the rows and summed each
+id's run in registers first (one add per distinct id) made the stage-3 step 2.4% slower on the
+H200 (sixteenth device session) and was removed.
 
 ``accumulate_rows_reference`` (plain PyTorch, same signature) is the CPU path and the tests' reference.
 """
