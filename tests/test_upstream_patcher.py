@@ -317,8 +317,14 @@ def test_compare_kernels_per_step_and_by_family(tmp_path, capsys):
     assert res["families"]["own triton"] == {"ours_ms": 1.5, "theirs_ms": 0.3}
     assert res["families"]["attention"]["theirs_ms"] == 0.7
     assert res["kernels"][0]["kernel"] == "_relu2_gemm_tma_kernel" and res["kernels"][0]["ours_calls"] == 1
+    # only the GEMM is launched by both: 2.0 vs 1.5 ms; the rest 1.6 vs 1.01
+    assert res["same_name_kernels"] == 1
+    assert res["split"]["ours"] == {"same_name_ms": 2.0, "own_ms": 1.6}
+    assert res["split"]["theirs"]["same_name_ms"] == 1.5 and abs(res["split"]["theirs"]["own_ms"] - 1.01) < 1e-9
     assert cmp.main([str(a), str(b), "--json", str(tmp_path / "c.json")]) == 0
-    assert "difference +1.09 ms" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "difference +1.09 ms" in out
+    assert "1 kernels launched by both (same name, as often): ours 2.00 ms, theirs 1.50 ms (x1.3333)" in out
     a.write_text("{}")
     assert cmp.main([str(a), str(b)]) == 2 and "needs 'steps'" in capsys.readouterr().err
 
@@ -339,3 +345,19 @@ def test_compare_kernels_prints_both_timelines(tmp_path, capsys):
     del theirs["timeline"]
     b.write_text(json.dumps(theirs))
     assert cmp.main([str(a), str(b)]) == 0 and "only one side is a device-only profile" in capsys.readouterr().out
+
+
+def test_compare_kernels_same_name_means_as_often_too(tmp_path):
+    """A kernel both sides launch by name but a different number of times per step (e.g. a
+    gradient accumulation one side does less often) is not like for like: it counts as each side's own."""
+    cmp = _load("compare_kernels")
+    ours = {"steps": 1, "kernels": [{"kernel": "gemm_a", "calls": 8, "time_us": 1000.0},
+                                    {"kernel": "add_bf16", "calls": 90, "time_us": 1200.0}]}
+    theirs = {"steps": 1, "kernels": [{"kernel": "gemm_a", "calls": 8, "time_us": 900.0},
+                                      {"kernel": "add_bf16", "calls": 109, "time_us": 6500.0}]}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(ours))
+    b.write_text(json.dumps(theirs))
+    res = cmp.compare(cmp.load(a), cmp.load(b))
+    assert res["same_name_kernels"] == 1
+    assert res["split"] == {"ours": {"same_name_ms": 1.0, "own_ms": 1.2}, "theirs": {"same_name_ms": 0.9, "own_ms": 6.5}}
