@@ -330,8 +330,7 @@ def softcapped_ce_fwd_bwd_reference(
     losses = loss.detach()
     if losses_out is not None:
         losses = losses_out.copy_(losses)
-    dlogits = _store_grad(g, grad_dtype, dlogits_out)
-    return losses, dlogits
+    return losses, _store_grad(g, grad_dtype, dlogits_out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -689,9 +688,7 @@ def softcapped_ce_fwd_bwd(
     if n == 0:
         return losses_out, dlogits_out
 
-    if block_v is None:
-        block_v = _default_block_v(v_pad)
-    block_v = int(block_v)
+    block_v = _default_block_v(v_pad) if block_v is None else int(block_v)
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
     if block_m is None:
@@ -706,8 +703,7 @@ def softcapped_ce_fwd_bwd(
     a, b, c = softcap if softcap is not None else (1.0, 0.0, 1.0)
     if softcap is not None and a > 64:
         raise ValueError(f"softcap A={a} is too large for the kernel's fixed softmax offset (A <= 64)")
-    with launch_note("_ce_fwd_bwd_kernel", reads=(logits, targets, prefix_targets),
-                     writes=(dlogits_out, losses_out)):
+    with launch_note("_ce_fwd_bwd_kernel", reads=(logits, targets, prefix_targets), writes=(dlogits_out, losses_out)):
         launch(_ce_fwd_bwd_kernel, (programs,),
             logits,
             logits.stride(0),
