@@ -118,10 +118,11 @@ for part in $parts; do
       # eager process at batch/4 holds 20-26 GiB: six at once ran the H200 out of memory.
       AB_ARMS=${AB_ARMS:-base=record cand=candidate:train.steps=138,train.num_extension=33}
       AB_SEEDS=${AB_SEEDS:-0,1,2}
-      log "loss A/B: $AB_ARMS, seeds $AB_SEEDS, eager, batch/4, 105 scheduled steps, ${AB_JOBS:-3} at once"
-      # AB_SET: the overrides every arm gets (shortened eager schedule, batches / 4)
-      ab_sets=""; for kv in ${AB_SET:-train.compile=false train.batch_divisor=4 train.steps=135 \
-        train.num_extension=30 train.max_docs=256}; do ab_sets="$ab_sets --set $kv"; done
+      # AB_SET: the overrides every arm gets (default: shortened eager schedule, batches / 4; an eager
+      # process holds ~19 GiB at batches / 8, where six at once fit)
+      AB_SET=${AB_SET:-train.compile=false train.batch_divisor=4 train.steps=135 train.num_extension=30 train.max_docs=256}
+      log "loss A/B: $AB_ARMS, seeds $AB_SEEDS, ${AB_JOBS:-3} at once, every arm with: $AB_SET"
+      ab_sets=""; for kv in $AB_SET; do ab_sets="$ab_sets --set $kv"; done
       rm -rf /tmp/ab; mkdir -p /tmp/ab "$OUT/ab"
       ab_end=$(( $(date +%s) + $(left 580) ))
       for s in ${AB_SEEDS//,/ }; do

@@ -86,6 +86,35 @@ def test_optimizer_kernels_switch_reaches_the_optimizer(tmp_path):
         build_recipe(cfg, build_model(cfg.model), None)
 
 
+def test_optimizer_compile_switch_reaches_the_optimizer(tmp_path):
+    """train.optimizer_compile hands Inductor to NorMuon's update (an A/B arm; off by default)."""
+    from speedrun.model import build_model
+    from speedrun.train.recipes import build_recipe
+
+    for sets, expected in (((), None), (("train.optimizer_compile=true",), "inductor")):
+        cfg = tiny_record(tmp_path, *sets)
+        recipe = build_recipe(cfg, build_model(cfg.model), None)
+        assert recipe.optimizer.compile_backend == expected, sets
+
+
+def test_fused_normuon_update_trains_like_the_eager_one(tmp_path):
+    """train.optimizer_compile=true (NorMuon's update through Inductor, here on the CPU) follows
+    the eager update, and the warmup makes every graph: none in the timed region, although the
+    schedule changes lr, momentum and decay every step."""
+    out = {}
+    for flag in ("false", "true"):
+        cfg = tiny_record(tmp_path, f"train.optimizer_compile={flag}", "train.warmup_steps=1", "train.steps=9",
+                          "train.num_extension=3", "train.val_every=3", f"name=fused-{flag}")
+        result = train(cfg, console=False)
+        metrics = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+        out[flag] = metrics
+    vals = {flag: [m["val_loss"] for m in ms if m["event"] == "val"] for flag, ms in out.items()}
+    assert len(vals["true"]) == 4 and vals["true"][-1] < vals["true"][0] - 0.5, vals
+    for a, b in zip(vals["false"], vals["true"]):
+        assert abs(a - b) < 3e-4 * abs(a), vals  # seen: 4e-5
+    assert [m["count"] for m in out["true"] if m["event"] == "recompiles"] == [0]
+
+
 @pytest.mark.parametrize("kernels", ["triton", "fp8_full"])
 def test_fused_kernels_train_like_the_reference(tmp_path, kernels):
     """The record network with the Triton head and MLP (interpreted on CPU) follows the plain path."""

@@ -49,6 +49,8 @@ __all__ = [
     "ba_plus_caa",
     "ba_plus_caa_reference",
     "polar_express",
+    "polar_express_normalize",
+    "polar_express_iterate",
     "polar_express_reference",
     "triton_interpreted",
 ]
@@ -433,24 +435,50 @@ def polar_express(G: Tensor, steps: int = 5, use_triton: bool | None = None) -> 
     Computation is bf16 with fp32 accumulation inside the GEMMs.  Wide/square matrices iterate on
     ``X X^T`` (rows x rows), tall ones on ``X^T X`` (cols x cols), so the Gram matrix is always the
     smaller one.  ``steps`` <= 5 uses the first ``steps`` coefficient triples.
+    Equals ``polar_express_iterate(polar_express_normalize(G), steps, use_triton)``: callers that
+    fuse the normalisation with what comes before it (the NorMuon update) call the two halves.
 
     use_triton: None = Triton on CUDA, bf16 torch.bmm elsewhere; True/False force it.
     """
+    _check_polar_input("polar_express", G)
+    return polar_express_iterate(polar_express_normalize(G), steps, use_triton).reshape(G.shape)
+
+
+def _check_polar_input(name: str, G: Tensor) -> None:
     if G.ndim < 2:
-        raise ValueError(f"polar_express: G must have at least 2 dims (..., rows, cols), got {tuple(G.shape)}")
+        raise ValueError(f"{name}: G must have at least 2 dims (..., rows, cols), got {tuple(G.shape)}")
     if not G.is_floating_point():
-        raise ValueError(f"polar_express: G must be a float tensor, got {G.dtype}")
+        raise ValueError(f"{name}: G must be a float tensor, got {G.dtype}")
     if G.numel() == 0:
-        raise ValueError(f"polar_express: G has an empty dimension, shape {tuple(G.shape)}")
+        raise ValueError(f"{name}: G has an empty dimension, shape {tuple(G.shape)}")
+
+
+def polar_express_normalize(G: Tensor) -> Tensor:
+    """Polar Express's input: each matrix of G over (its Frobenius norm x PRE_NORM_SAFETY + PRE_NORM_EPS).
+
+    G: (..., rows, cols), any float dtype.  Returns a contiguous bf16 (B, rows, cols) tensor, B the
+    product of the leading dims.  The norm is taken in fp32 (no over/underflow for huge or tiny
+    gradients), then the quotient is rounded once to bf16.  Plain PyTorch, so ``torch.compile``
+    can fuse it with the tensor's producer.
+    """
+    Gf = G.reshape(-1, *G.shape[-2:]).float()
+    denom = Gf.norm(dim=(-2, -1), keepdim=True) * PRE_NORM_SAFETY + PRE_NORM_EPS
+    return torch.div(Gf, denom).to(torch.bfloat16).contiguous()
+
+
+def polar_express_iterate(X: Tensor, steps: int = 5, use_triton: bool | None = None) -> Tensor:
+    """The Polar Express iteration on an already normalised batch (see :func:`polar_express`).
+
+    X: contiguous bf16 (B, rows, cols), each matrix's spectral norm at most 1 (the output of
+    :func:`polar_express_normalize`).  Returns a new bf16 tensor of X's shape.
+    """
+    _check_polar_input("polar_express_iterate", X)
+    if X.ndim != 3 or X.dtype != torch.bfloat16 or not X.is_contiguous():
+        raise ValueError(f"polar_express_iterate: X must be a contiguous bf16 (B, rows, cols) tensor, got "
+                         f"{X.dtype} {tuple(X.shape)}{'' if X.is_contiguous() else ' (not contiguous)'}")
     if not 1 <= steps <= len(POLAR_EXPRESS_COEFFS):
         raise ValueError(f"polar_express: steps must be in 1..{len(POLAR_EXPRESS_COEFFS)}, got {steps}")
-    triton_path = _use_triton(G, use_triton)
-    shape = G.shape
-    # Normalise in fp32 (no over/underflow for huge or tiny gradients), then round once to bf16.
-    Gf = G.reshape(-1, *shape[-2:]).float()
-    denom = Gf.norm(dim=(-2, -1), keepdim=True).mul_(PRE_NORM_SAFETY).add_(PRE_NORM_EPS)
-    X = torch.div(Gf, denom).to(torch.bfloat16).contiguous()
-
+    triton_path = _use_triton(X, use_triton)
     tall = X.size(-2) > X.size(-1)
     n = X.size(-1) if tall else X.size(-2)
     gram = torch.empty((X.size(0), n, n), device=X.device, dtype=torch.bfloat16)
@@ -469,7 +497,7 @@ def polar_express(G: Tensor, steps: int = 5, use_triton: bool | None = None) -> 
         else:
             torch.baddbmm(X, poly, X, beta=a, out=nxt)  # a*X + poly @ X
         X, nxt = nxt, X
-    return X.reshape(shape)
+    return X
 
 
 def polar_express_reference(G: Tensor, steps: int = 5, use_triton: bool | None = None) -> Tensor:

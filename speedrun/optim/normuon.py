@@ -50,6 +50,8 @@ __all__ = [
     "split_fp32",
     "join_bf16",
     "normuon_variance_reduction_",
+    "normuon_momentum_",
+    "normuon_apply_",
     "normuon_update_",
 ]
 
@@ -146,21 +148,39 @@ RECORD_WORK_ORDER: tuple[str, ...] = (
 
 
 def join_bf16(hi: Tensor, lo: Tensor) -> Tensor:
-    """fp32 tensor whose upper 16 bits are bf16 ``hi`` and lower 16 bits int16 ``lo`` (same shape)."""
-    bits = (hi.view(torch.int16).to(torch.int32) << 16) | (lo.to(torch.int32) & 0xFFFF)
+    """fp32 tensor whose upper 16 bits are ``hi`` and lower 16 bits int16 ``lo`` (same shape).
+
+    hi: the bf16 weights, or their bits viewed as int16 (how the compiled update passes them)."""
+    h = hi if hi.dtype == torch.int16 else hi.view(torch.int16)
+    bits = (h.to(torch.int32) << 16) | (lo.to(torch.int32) & 0xFFFF)
     return bits.view(torch.float32)
 
 
 def split_fp32(x: Tensor, hi_out: Tensor, lo_out: Tensor) -> None:
-    """Write the upper half of fp32 ``x``'s bits to bf16 ``hi_out`` (truncation, not rounding, so
-    that ``join_bf16(hi_out, lo_out)`` equals ``x`` exactly) and the lower half to int16 ``lo_out``."""
+    """Write the upper half of fp32 ``x``'s bits to ``hi_out`` (bf16, or its int16 bits; truncation,
+    not rounding, so that ``join_bf16(hi_out, lo_out)`` equals ``x`` exactly) and the lower half to
+    int16 ``lo_out``."""
     bits = x.contiguous().view(torch.int32)
-    hi_out.view(torch.int16).copy_((bits >> 16).to(torch.int16))
+    h = hi_out if hi_out.dtype == torch.int16 else hi_out.view(torch.int16)
+    h.copy_((bits >> 16).to(torch.int16))
     lo_out.copy_(bits.to(torch.int16))
 
 
 # ------------------------------------------------------------------------------------------------
 # NorMuon math on one rank's shard
+
+
+def _variance_reduction_scale(v: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
+    """The factor :func:`normuon_variance_reduction_` multiplies ``v`` by (fp32, broadcastable to
+    v); updates ``second_moment`` in place."""
+    red = -1 if v.size(-2) >= v.size(-1) else -2
+    n = v.size(red)
+    ms = v.float().square().mean(dim=red, keepdim=True)
+    norm_before = (ms.sum(dim=(-2, -1), keepdim=True) * n).sqrt()
+    second_moment.lerp_(ms, 1.0 - beta2)
+    inv_rms = second_moment.clamp_min(1e-10).rsqrt()
+    norm_after = (ms * n * inv_rms.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+    return inv_rms * (norm_before / norm_after.clamp_min(1e-10))
 
 
 def normuon_variance_reduction_(v: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
@@ -171,15 +191,56 @@ def normuon_variance_reduction_(v: Tensor, second_moment: Tensor, beta2: float) 
     Each row (column) is divided by the root of its second moment, then the matrix is scaled back
     to the Frobenius norm it had before.
     """
-    red = -1 if v.size(-2) >= v.size(-1) else -2
-    n = v.size(red)
-    ms = v.float().square().mean(dim=red, keepdim=True)
-    norm_before = (ms.sum(dim=(-2, -1), keepdim=True) * n).sqrt()
-    second_moment.lerp_(ms, 1.0 - beta2)
-    inv_rms = second_moment.clamp_min(1e-10).rsqrt()
-    norm_after = (ms * n * inv_rms.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
-    scale = inv_rms * (norm_before / norm_after.clamp_min(1e-10))
-    return v.mul_(scale.to(v.dtype))
+    return v.mul_(_variance_reduction_scale(v, second_moment, beta2).to(v.dtype))
+
+
+def normuon_momentum_(grad: Tensor, momentum_buffer: Tensor, momentum: Tensor | float) -> Tensor:
+    """Step 1 of the update and Polar Express's normalisation, on a shard of G matrices.
+
+    grad: (G, rows, cols) any float dtype (read only).  momentum_buffer: fp32 (G, rows, cols),
+    ``lerp(buf, g, 1 - momentum)`` in place.  momentum: a float or a 0-dim fp32 tensor.  Returns
+    the Nesterov look-ahead ``lerp(g, buf, momentum)`` normalised for Polar Express: contiguous bf16
+    (G, rows, cols) (:func:`speedrun.kernels.polar_express.polar_express_normalize`).
+    """
+    from speedrun.kernels.polar_express import polar_express_normalize
+
+    g = grad.float()
+    momentum_buffer.lerp_(g, 1.0 - momentum)
+    return polar_express_normalize(g.lerp(momentum_buffer, momentum))
+
+
+def normuon_apply_(v: Tensor, p: Tensor, mantissa: Tensor | None, second_moment: Tensor,
+                   lr: Tensor | float, wd: Tensor | float, beta2: float) -> None:
+    """Steps 3-4 of the update on a shard of G matrices: variance reduction, then cautious weight
+    decay and the step on the fp32 master weight, written back in place.
+
+    v: bf16 (G, rows, cols), Polar Express's output (read only).  p: fp32 weights (``mantissa``
+    None), or bf16 weights as their int16 bits with ``mantissa`` their int16 low halves (bits,
+    because the compiled update cannot write through a dtype view of its input).  second_moment:
+    see :func:`normuon_variance_reduction_`.  lr: float or fp32 tensor broadcastable to (G, 1, 1);
+    wd: float or 0-dim fp32 tensor (see :func:`normuon_update_`).
+    """
+    v = (v * _variance_reduction_scale(v, second_moment, beta2).to(v.dtype)).float()
+    master = p.float() if mantissa is None else join_bf16(p, mantissa)
+    keep_sign = (v * master >= 0).to(torch.float32)  # cautious WD: decay only where v agrees with p
+    new = master - master * keep_sign * (wd * lr) - v * lr
+    if mantissa is None:
+        p.copy_(new)
+    else:
+        split_fp32(new, p, mantissa)
+
+
+# One compiled pair per backend, made on first use (compiling is not an import-time side effect).
+_COMPILED_PARTS: dict[str | Callable, tuple[Callable, Callable]] = {}
+
+
+def _compiled_parts(backend: str | Callable) -> tuple[Callable, Callable]:
+    parts = _COMPILED_PARTS.get(backend)
+    if parts is None:
+        opts = {"dynamic": False, "fullgraph": True, "backend": backend}
+        parts = _COMPILED_PARTS[backend] = (torch.compile(normuon_momentum_, **opts),
+                                            torch.compile(normuon_apply_, **opts))
+    return parts
 
 
 def normuon_update_(
@@ -190,10 +251,11 @@ def normuon_update_(
     second_moment: Tensor,
     *,
     lr: Tensor | float,
-    wd: float,
-    momentum: float,
+    wd: Tensor | float,
+    momentum: Tensor | float,
     beta2: float,
     use_triton: bool | None = None,
+    compile_backend: str | Callable | None = None,
 ) -> Tensor:
     """One NorMuon step on a shard of G matrices, in place; returns ``p``.
 
@@ -203,26 +265,28 @@ def normuon_update_(
     lr: effective step size ``base_lr * schedule * lr_mul``, a float or an fp32 (G, 1, 1) tensor of
     per-matrix values.  wd: ``weight_decay * wd_mul * base_lr * schedule``, so the applied decay
     is wd * lr (quadratic in the learning rate, as in the record).
+    compile_backend: None runs the elementwise parts eagerly (~34 passes over each bank);
+    a ``torch.compile`` backend ("inductor") fuses them before and after Polar Express, as the
+    record does (one graph per bank shape, compiled on the first call).
     """
-    from speedrun.kernels.polar_express import polar_express
+    from speedrun.kernels.polar_express import polar_express_iterate
 
-    g = grad.float()
-    momentum_buffer.lerp_(g, 1.0 - momentum)
-    g = g.lerp(momentum_buffer, momentum)  # Nesterov look-ahead; out of place: grad stays intact
-    v = polar_express(g, use_triton=use_triton)
-    v = normuon_variance_reduction_(v, second_moment, beta2).float()
     if p.dtype == torch.bfloat16:
         if mantissa is None:
             raise ValueError("normuon_update_: bf16 weights need a mantissa buffer")
-        master = join_bf16(p, mantissa)
+        weights = p.view(torch.int16)
     else:
-        master = p.float()
-    keep_sign = (v * master >= 0).to(torch.float32)  # cautious WD: decay only where v agrees with p
-    new = master - master * keep_sign * (wd * lr) - v * lr
-    if p.dtype == torch.bfloat16:
-        split_fp32(new, p, mantissa)
+        weights, mantissa = p, None
+    if compile_backend is None:
+        momentum_fn, apply_fn = normuon_momentum_, normuon_apply_
     else:
-        p.copy_(new)
+        momentum_fn, apply_fn = _compiled_parts(compile_backend)
+        # A float argument is a constant of the compiled graph (a new value compiles a new graph);
+        # the schedule changes these every step, so they travel as device tensors.
+        momentum, wd, lr = (x if isinstance(x, Tensor) else torch.full((), float(x), device=p.device)
+                            for x in (momentum, wd, lr))
+    v = polar_express_iterate(momentum_fn(grad, momentum_buffer, momentum), use_triton=use_triton)
+    apply_fn(v, weights, mantissa, second_moment, lr, wd, beta2)
     return p
 
 
@@ -325,6 +389,8 @@ class NorMuonAndAdam:
     group: process group (default: the world when torch.distributed is initialised).
     use_triton: Triton kernels for Polar Express and the Adam update (None: on CUDA; True on CPU
         needs TRITON_INTERPRET=1).
+    compile_backend: None, or the ``torch.compile`` backend that fuses NorMuon's elementwise work
+        around Polar Express (see :func:`normuon_update_`; "inductor" on the GPU).
 
     Usage per training step: backward, then ``opt.step(step_index)``.  ``step`` clears the grads it
     consumed (set to None); Adam grads are kept on even steps so the next backward adds to them.
@@ -342,6 +408,7 @@ class NorMuonAndAdam:
         tied: tuple[str, str] | None = None,
         group: Any = None,
         use_triton: bool | None = None,
+        compile_backend: str | None = None,
     ):
         params = dict(params)
         table = list(record_param_table() if table is None else table)
@@ -353,6 +420,7 @@ class NorMuonAndAdam:
         self.hyper = hyper or OptimizerHyper()
         self.schedule = schedule
         self.use_triton = use_triton
+        self.compile_backend = compile_backend
         self.comms = _Comms(group)
         self.order = [s.label for s in table if s.label in params]
         wo = list(work_order) if work_order is not None else list(self.order)
@@ -595,7 +663,8 @@ class NorMuonAndAdam:
             copy_back = n_real
         normuon_update_(local, e.state.get("mantissa"), grad, e.state["momentum_buffer"], e.state["second_moment"],
                         lr=e.lr_mul * base_lr, wd=h.muon_weight_decay * e.spec.wd_mul * base_lr,
-                        momentum=momentum, beta2=h.muon_beta2, use_triton=self.use_triton)
+                        momentum=momentum, beta2=h.muon_beta2, use_triton=self.use_triton,
+                        compile_backend=self.compile_backend)
         if not sharded:
             if copy_back is not None:
                 full[:copy_back] = local[:copy_back]

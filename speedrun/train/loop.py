@@ -498,7 +498,8 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     stopped = False
     if start_step == 0 and cfg.train.val_every > 0:
         last_val = validate(0)
-    compiles_before = _compile_count() if cfg.train.compile else 0
+    compiled = cfg.train.compile or cfg.train.optimizer_compile
+    compiles_before = _compile_count() if compiled else 0
     _sync(device)
     t0 = time.perf_counter()
     recipe.on_clock_start()
@@ -548,7 +549,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
             window_start = t0
     loader.close()
 
-    if cfg.train.compile:
+    if compiled:
         # Every shape should have been compiled in the warmup; a compile in the timed region costs
         # seconds and makes the run's time meaningless, so it is counted and reported.
         recompiles = _compile_count() - compiles_before

@@ -147,7 +147,8 @@ class RecordRecipe:
             raise ConfigError(f"train.optimizer_kernels must be one of {', '.join(kernels)}, got {t.optimizer_kernels!r}")
         self.optimizer = NorMuonAndAdam(model.parameter_groups(), record_param_table(), hyper=hyper,
                                         schedule=self.schedule, tied=("lm_head", "embed"),
-                                        use_triton=kernels[t.optimizer_kernels])
+                                        use_triton=kernels[t.optimizer_kernels],
+                                        compile_backend="inductor" if t.optimizer_compile else None)
         self._long_window = None
         self.max_tokens = 0  # set by the loop: the largest micro-batch, for rebuilding RoPE tables
         self.fp8_refreshes = 0
