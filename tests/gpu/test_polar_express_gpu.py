@@ -120,27 +120,59 @@ def test_normuon_and_adam_step_on_cuda():
 @pytest.mark.parametrize("shape", [(22, 3072, 768), (20, 768, 768), (64, 256, 768), (60, 192, 768)])
 def test_compiled_normuon_update_matches_eager_at_record_shapes(shape):
     """The fused update (Inductor, as ``train.optimizer_compile`` uses it) against the eager one
-    on the record's banks (mlp tall, vo square, qk wide, the candidate's 96-wide qk): three steps
-    with changing scalars, one graph per function and shape."""
+    on the record's banks (mlp tall, vo square, qk wide, the candidate's 96-wide qk), each half on
+    the same inputs, then three whole steps with changing scalars; one graph per function.
+
+    Bounds: on the GPU Inductor's lerp differs from eager's in the last fp32 bit (the momentum
+    within 1e-6), so the bf16 Polar Express input can differ by one bf16 ulp in a few elements, and
+    five bf16 iterations carry that into the update at bf16 resolution (2**-8): whole steps are
+    compared within 1e-2, the halves on equal inputs much tighter."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from speedrun.optim.normuon import join_bf16, normuon_update_
+    from speedrun.kernels.polar_express import polar_express_iterate
+    from speedrun.optim.normuon import join_bf16, normuon_apply_, normuon_momentum_, normuon_update_
 
     torch.manual_seed(0)
     G, rows, cols = shape
     red = (G, rows, 1) if rows >= cols else (G, 1, cols)
     p0 = (torch.randn(shape, device="cuda") * 0.02).bfloat16()
-    arms = {name: [p0.clone(), torch.zeros(shape, dtype=torch.int16, device="cuda"),
-                   torch.zeros(shape, device="cuda"), torch.zeros(red, device="cuda")] for name in ("eager", "fused")}
     counter = CompileCounterWithBackend("inductor")
     lr_mul = torch.rand(G, 1, 1, device="cuda") + 0.5
+    scalar = lambda x: torch.full((), x, device="cuda")  # noqa: E731
+
+    # the momentum half on equal inputs
+    g = torch.randn(shape, device="cuda").bfloat16()
+    buf_e = torch.randn(shape, device="cuda")
+    buf_c = buf_e.clone()
+    x_e = normuon_momentum_(g, buf_e, 0.9)
+    x_c = torch.compile(normuon_momentum_, dynamic=False, fullgraph=True, backend=counter)(g, buf_c, scalar(0.9))
+    assert rel(buf_c, buf_e) < 1e-6 and rel(x_c, x_e) < 2e-3
+    # the apply half on equal inputs (v, weights, mantissa, second moment)
+    v = polar_express_iterate(x_e)
+    sm_e = torch.rand(red, device="cuda") * 1e-3
+    sm_c = sm_e.clone()
+    w_e, w_c = p0.view(torch.int16).clone(), p0.view(torch.int16).clone()
+    m_e, m_c = torch.zeros(shape, dtype=torch.int16, device="cuda"), torch.zeros(shape, dtype=torch.int16, device="cuda")
+    normuon_apply_(v, w_e, m_e, sm_e, lr_mul * 0.02, 0.03, 0.9)
+    torch.compile(normuon_apply_, dynamic=False, fullgraph=True, backend=counter)(
+        v, w_c, m_c, sm_c, lr_mul * 0.02, scalar(0.03), 0.9)
+    assert rel(sm_c, sm_e) < 1e-5
+    moved = join_bf16(w_e, m_e) - p0.float()
+    assert moved.abs().max() > 1e-4
+    assert rel(join_bf16(w_c, m_c) - p0.float(), moved) < 5e-3  # eager rounds v x scale to bf16, Inductor not
+    assert counter.frame_count == 2
+
+    # three whole steps through normuon_update_
+    arms = {name: [p0.clone(), torch.zeros(shape, dtype=torch.int16, device="cuda"),
+                   torch.zeros(shape, device="cuda"), torch.zeros(red, device="cuda")] for name in ("eager", "fused")}
+    steps = CompileCounterWithBackend("inductor")
     for step in range(3):
         g = torch.randn(shape, device="cuda").bfloat16()
         kw = dict(lr=lr_mul * (0.023 - 0.005 * step), wd=0.03 - 0.01 * step, momentum=0.85 + 0.05 * step, beta2=0.9)
         normuon_update_(*arms["eager"][:2], g, *arms["eager"][2:], **kw)
-        normuon_update_(*arms["fused"][:2], g, *arms["fused"][2:], compile_backend=counter, **kw)
+        normuon_update_(*arms["fused"][:2], g, *arms["fused"][2:], compile_backend=steps, **kw)
     (pe_, me, be, se), (pf, mf, bf, sf) = arms["eager"], arms["fused"]
-    assert rel(bf, be) < 1e-6 and rel(sf, se) < 1e-4
+    assert rel(bf, be) < 1e-6 and rel(sf, se) < 1e-2
     moved = join_bf16(pe_, me) - p0.float()
-    assert rel(join_bf16(pf, mf) - p0.float(), moved) < 5e-3
-    assert counter.frame_count == 2
+    assert rel(join_bf16(pf, mf) - p0.float(), moved) < 1e-2
+    assert steps.frame_count == 2
