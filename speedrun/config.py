@@ -97,7 +97,8 @@ class ModelConfig:
     # How the DC correction (layer 10) gathers each 128-query block's keys: "band" (a copied band
     # of B + W keys per block, and its overlapping gradient added back) or "blocks" (GEMMs against
     # whole key blocks where they lie: no per-block copies); the same result
-    # (speedrun.model.record_parts.dc_postonly_correction).  An A/B arm until timed on the GPU.
+    # (speedrun.model.record_parts.dc_postonly_correction).  An A/B arm: no faster in the record
+    # (1.002 per stage-3 step, seventeenth session), not yet measured alone in the candidate.
     dc_keys: str = "band"
 
     @property
@@ -183,9 +184,10 @@ class TrainConfig:
     # only under TRITON_INTERPRET=1)
     optimizer_kernels: str = "auto"
     # NorMuon's elementwise work around Polar Express (momentum, normalisation, variance reduction,
-    # cautious decay, the bf16 + mantissa split) fused by torch.compile (Inductor), as the record
-    # does, instead of ~34 eager passes over each bank per step (~5.4 ms per stage-3 step on the
-    # H200).  Off until a GPU session has run its test and timed it (an A/B arm until then).
+    # cautious decay, the bf16 + mantissa split) fused by torch.compile (Inductor), as upstream
+    # does, instead of ~34 eager passes over each bank per step: -5.2 ms per stage-3 step on the
+    # H200 (seventeenth session).  On in the record presets; off here, where a CPU run would pay
+    # Inductor's CPU compile for little.
     optimizer_compile: bool = False
     muon_lr: float = 0.023
     lr: float = 3e-3
@@ -305,8 +307,8 @@ def record() -> RunConfig:
         train=TrainConfig(
             steps=1285, num_extension=15, schedule="record", optimizer="normuon", grad_accum=0,
             lr=0.008, muon_lr=0.023, val_every=250, val_tokens=10485760, log_every=1, warmup_steps=2,
-            compile=True, dtype="bf16", sample_prompt="The", sample_tokens=0, preflight=True,
-            ce_sigmoid="tanh",
+            compile=True, optimizer_compile=True, dtype="bf16", sample_prompt="The", sample_tokens=0,
+            preflight=True, ce_sigmoid="tanh",
         ),
     )
 

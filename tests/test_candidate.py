@@ -62,6 +62,7 @@ def test_candidate_preset_is_record_plus_switches():
     assert (cand.model.qk_head_dim, cand.model.v_head_dim) == (96, 128)
     assert cand.model.qkv_path == "fused_fp8" and cand.model.kernels == "fp8_full"
     assert (cand.model.fp8_input_scaling, rec.model.fp8_input_scaling) == ("delayed", "current")
+    assert cand.train.optimizer_compile and rec.train.optimizer_compile and not preset("tiny-record").train.optimizer_compile
     assert (cand.train.steps, cand.train.num_extension) == (1315, 45)
     assert (rec.train.steps, rec.train.num_extension) == (1285, 15)
     assert cand.model.model_dim == rec.model.model_dim == cand.model.num_heads * cand.model.v_head_dim
