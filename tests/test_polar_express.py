@@ -118,6 +118,10 @@ def test_bad_inputs_raise_clear_errors():
         pe.ba_plus_caa_reference(torch.randn(8, 16), 1.0, 1.0, torch.empty(8, 16))
     with pytest.raises(ValueError, match="dtype"):
         pe.xtx_reference(torch.ones(4, 4, dtype=torch.int32), torch.empty(4, 4))
+    for bad in (torch.randn(2, 8, 16), torch.randn(8, 16).bfloat16(), torch.randn(2, 16, 8).bfloat16().mT,
+                torch.empty(0, 8, 16, dtype=torch.bfloat16)):  # fp32, 2-D, strided, empty
+        with pytest.raises(ValueError, match="polar_express_iterate: X must be a non-empty contiguous bf16"):
+            pe.polar_express_iterate(bad)
     if not pe.triton_interpreted():
         with pytest.raises(ValueError, match="CUDA"):
             pe.xxt(torch.randn(8, 16), torch.empty(8, 8))

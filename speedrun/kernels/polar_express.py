@@ -472,10 +472,9 @@ def polar_express_iterate(X: Tensor, steps: int = 5, use_triton: bool | None = N
     X: contiguous bf16 (B, rows, cols), each matrix's spectral norm at most 1 (the output of
     :func:`polar_express_normalize`).  Returns a new bf16 tensor of X's shape.
     """
-    _check_polar_input("polar_express_iterate", X)
-    if X.ndim != 3 or X.dtype != torch.bfloat16 or not X.is_contiguous():
-        raise ValueError(f"polar_express_iterate: X must be a contiguous bf16 (B, rows, cols) tensor, got "
-                         f"{X.dtype} {tuple(X.shape)}{'' if X.is_contiguous() else ' (not contiguous)'}")
+    if X.ndim != 3 or X.dtype != torch.bfloat16 or not X.is_contiguous() or X.numel() == 0:
+        raise ValueError(f"polar_express_iterate: X must be a non-empty contiguous bf16 (B, rows, cols) tensor, "
+                         f"got {X.dtype} {tuple(X.shape)}{'' if X.is_contiguous() else ' (not contiguous)'}")
     if not 1 <= steps <= len(POLAR_EXPRESS_COEFFS):
         raise ValueError(f"polar_express: steps must be in 1..{len(POLAR_EXPRESS_COEFFS)}, got {steps}")
     triton_path = _use_triton(X, use_triton)
