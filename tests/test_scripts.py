@@ -2,6 +2,7 @@
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,32 @@ def test_device_run_packs_more_than_eight_outputs(tmp_path):
     res = subprocess.run([bash, str(script), "no_such_part"], capture_output=True, text=True,
                          env={**env, "OUT": str(few)}, cwd=tmp_path)
     assert "packed" not in res.stdout and (few / "gpu.txt").exists()
+
+
+def test_gpu_clocks_summarizes_each_phase_from_busy_samples(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_clocks", Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_clocks.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_clocks", mod)  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    # 2026/12/04 21:00:00 UTC = 1796418000
+    rows = ["2026/12/04 21:00:00.000, 1980 MHz, 650.00 W, 50",
+            "2026/12/04 21:00:00.250, 1755 MHz, 120.00 W, 51",   # idle: counted, not in the medians
+            "2026/12/04 21:00:01.000, 1900 MHz, 600.00 W, 55",
+            "garbage, [N/A], [N/A], [N/A]",
+            "2026/12/04 21:00:02.000, 1500 MHz, 700.00 W, 70",
+            "2026/12/04 21:00:02.500, 1600 MHz, 690.00 W, 71",
+            "2026/12/04 21:00:03.0"]                             # cut off by the kill
+    (tmp_path / "c.csv").write_text("\n".join(rows) + "\n")
+    (tmp_path / "p.txt").write_text("ours 1796418002\nupstream 1796418000\n")
+    out = mod.summarize(mod.parse_log((tmp_path / "c.csv").read_text()),
+                        mod.parse_phases((tmp_path / "p.txt").read_text()), busy_w=300)
+    assert [r.phase for r in out] == ["upstream", "ours"]
+    assert (out[0].samples, out[0].busy, out[0].sm_mhz_median, out[0].temp_c_max) == (3, 2, 1940, 55)
+    assert (out[1].samples, out[1].busy, out[1].sm_mhz_median, out[1].power_w_median) == (2, 2, 1550, 695)
+    assert mod.main([str(tmp_path / "c.csv"), "--phases", str(tmp_path / "p.txt")]) == 0
+    assert "upstream" in capsys.readouterr().out
+    (tmp_path / "empty.csv").write_text("timestamp, clocks.sm\n")
+    assert mod.main([str(tmp_path / "empty.csv")]) == 2
+    assert "no nvidia-smi rows" in capsys.readouterr().err
