@@ -8,8 +8,8 @@ Prints a table and writes ``$OUT/bench_qk_prep.json`` (``OUT`` defaults to ``./b
   fused autograd forward+backward, the plain-PyTorch reference (eager) forward and forward+backward,
   and the same reference under ``torch.compile``; compulsory bytes (``qk_prep_bytes``), achieved
   TB/s and the fraction of the copy bandwidth for the fused kernels;
-* ``--sweep``: forward/backward kernel times over ``BLOCK_R`` x ``num_warps`` (edit
-  ``speedrun.kernels.qk_prep.CONFIGS`` from the best);
+* ``--sweep``: forward/backward kernel times over ``BLOCK_R`` x ``num_warps`` in the layouts the
+  candidate launches (``SWEEP_VARIANTS``; edit ``speedrun.kernels.qk_prep.CONFIGS`` from the best);
 * QKV projection at (T, D) x (D -> N): bf16 ``F.linear`` forward+backward at the old equal-width
   N = H*3*Dv (2304) and at the packed N = H*(2 Dqk + Dv) (1920), the packed FP8 GEMM
   (``packed_qkv_linear``) forward and forward+backward with bf16 and FP8 weight gradients, and the
@@ -110,32 +110,55 @@ def bench_qk_prep(args, dev, copy_bw):
     return out
 
 
+# The layouts the candidate launches at stage 3 on the H200 (varlen attention: Q/K padded to the
+# V width; value embeddings on half the layers; paired heads and the key offset on others).
+SWEEP_VARIANTS = {  # (paired, key_offset, pad_to, aux)
+    "key_offset_aux_pad128": (False, True, 128, True),
+    "paired_aux_pad128": (True, False, 128, True),
+    "key_offset_pad128": (False, True, 128, False),
+}
+
+
 def sweep(args, dev):
+    """Kernel times over BLOCK_R x num_warps for each of SWEEP_VARIANTS; the best configuration is
+    the one with the least time summed over the variants (forward and backward chosen apart)."""
     from speedrun.kernels import qk_prep as m
-    from speedrun.model.rotary import rope_dims_for
+    from speedrun.model.yarn import Yarn
 
     T, H, dqk, dv = args.tokens, args.heads, args.qk_dim, args.v_dim
-    n = rope_dims_for(dqk, 0.5) // 2
-    cos = torch.rand(2 * T, n, device=dev)
-    sin = torch.rand(2 * T, n, device=dev)
+    cos, sin = Yarn(dqk, 0.5, 1024.0).tables(2 * T, dev)
+    n = cos.shape[1]
     qkv = torch.randn(T, H * (2 * dqk + dv), device=dev).bfloat16()
     aux = torch.randn(T, H * dv, device=dev).bfloat16()
-    gq, gk, gv = (torch.randn(T, H, d, device=dev).bfloat16() for d in (dqk, dqk, dv))
     old = {k: dict(v) for k, v in m.CONFIGS.items()}
     res = []
     for br in (8, 16, 32, 64):
         for w in (2, 4, 8):
             m.CONFIGS["fwd"] = {"BLOCK_R": br, "num_warps": w}
             m.CONFIGS["bwd"] = {"BLOCK_R": br, "num_warps": w}
-            f = _bench(lambda: m._launch_fwd(qkv, cos, sin, aux, T, H, dqk, dv, n, dqk, False, True, m.DEFAULT_EPS))
-            b = _bench(lambda: m._launch_bwd(qkv, cos, sin, gq, gk, gv, T, H, dqk, dv, n, False, True, m.DEFAULT_EPS))
-            res.append({"BLOCK_R": br, "num_warps": w, "fwd_ms": f, "bwd_ms": b})
-            print(f"sweep BLOCK_R={br:3d} warps={w}: fwd {f:.4f} ms  bwd {b:.4f} ms", flush=True)
+            row = {"BLOCK_R": br, "num_warps": w, "fwd_ms": 0.0, "bwd_ms": 0.0}
+            for name, (paired, key_offset, pad_to, has_aux) in SWEEP_VARIANTS.items():
+                dout = pad_to or dqk
+                a = aux if has_aux else None
+                gq, gk, gv = (torch.randn(T, H, d, device=dev).bfloat16() for d in (dout, dout, dv))
+                f = _bench(lambda: m._launch_fwd(qkv, cos, sin, a, T, H, dqk, dv, n, dout, paired, key_offset, m.DEFAULT_EPS))
+                b = _bench(lambda: m._launch_bwd(qkv, cos, sin, gq, gk, gv, T, H, dqk, dv, n, paired, key_offset, m.DEFAULT_EPS))
+                row[f"{name}_fwd_ms"], row[f"{name}_bwd_ms"] = f, b
+                row["fwd_ms"] += f
+                row["bwd_ms"] += b
+            res.append(row)
+            print(f"sweep BLOCK_R={br:3d} warps={w}: fwd {row['fwd_ms']:.4f} ms  bwd {row['bwd_ms']:.4f} ms "
+                  f"(sums over {', '.join(SWEEP_VARIANTS)})", flush=True)
     m.CONFIGS.update(old)
     best_f = min(res, key=lambda r: r["fwd_ms"])
     best_b = min(res, key=lambda r: r["bwd_ms"])
-    print(f"best fwd {best_f}\nbest bwd {best_b}")
-    return {"grid": res, "best_fwd": best_f, "best_bwd": best_b}
+    now = [r for r in res if r["BLOCK_R"] == old["fwd"]["BLOCK_R"] and r["num_warps"] == old["fwd"]["num_warps"]][0]
+    now_b = [r for r in res if r["BLOCK_R"] == old["bwd"]["BLOCK_R"] and r["num_warps"] == old["bwd"]["num_warps"]][0]
+    print(f"best fwd BLOCK_R={best_f['BLOCK_R']} warps={best_f['num_warps']} {best_f['fwd_ms']:.4f} ms "
+          f"(current {old['fwd']}: {now['fwd_ms']:.4f} ms)")
+    print(f"best bwd BLOCK_R={best_b['BLOCK_R']} warps={best_b['num_warps']} {best_b['bwd_ms']:.4f} ms "
+          f"(current {old['bwd']}: {now_b['bwd_ms']:.4f} ms)")
+    return {"variants": list(SWEEP_VARIANTS), "grid": res, "best_fwd": best_f, "best_bwd": best_b, "current": old}
 
 
 def bench_qkv_gemm(args, dev):
