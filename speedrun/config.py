@@ -94,12 +94,6 @@ class ModelConfig:
     # rows' gradients added into an fp32 accumulator that the training step hands to .grad once
     # per optimizer step (speedrun.model.embedding_grad), the rows added by "atomic" fp32 adds.
     embedding_grad: str = "autograd"
-    # How the DC correction (layer 10) gathers each 128-query block's keys: "band" (a copied band
-    # of B + W keys per block, and its overlapping gradient added back) or "blocks" (GEMMs against
-    # whole key blocks where they lie: no per-block copies); the same result
-    # (speedrun.model.record_parts.dc_postonly_correction).  An A/B arm: no faster in the record
-    # (1.002 per stage-3 step, seventeenth session), not yet measured alone in the candidate.
-    dc_keys: str = "band"
 
     @property
     def padded_vocab_size(self) -> int:
@@ -122,8 +116,7 @@ class ModelConfig:
             raise ConfigError(f"rope_fraction must lie in [0, 1], got {self.rope_fraction}")
         choices = {"kernels": ("reference", "triton", "fp8", "fp8_full"),
                    "qkv_path": ("reference", "fused", "fused_fp8"), "architecture": ("core", "record"),
-                   "fp8_input_scaling": ("current", "delayed"), "embedding_grad": ("autograd", "atomic"),
-                   "dc_keys": ("band", "blocks")}
+                   "fp8_input_scaling": ("current", "delayed"), "embedding_grad": ("autograd", "atomic")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}; known: {', '.join(allowed)}")

@@ -51,16 +51,12 @@ def dense_dc(base, q, k, v, w1, w2, cu, scale, window):
     return out
 
 
-# (keys, block): both ways of gathering keys; block 4 < W - 1 makes "blocks" reach two key blocks back
-KEY_CASES = [("band", 16), ("blocks", 16), ("blocks", 4), ("blocks", 7)]
-
-
-@pytest.mark.parametrize("keys,block", KEY_CASES)
-def test_strided_reduced_width_matches_dense_definition(keys, block):
+@pytest.mark.parametrize("block", [16, 4, 7])  # 4 and 7 < W - 1: a query's window spans several blocks
+def test_strided_reduced_width_matches_dense_definition(block):
     packed, base, w1, w2, cu = packed_inputs(0)
     q, k, v = views(packed)
     assert not q.is_contiguous() and not k.is_contiguous() and q.shape[-1] != v.shape[-1]
-    got = dc_postonly_correction(base, q, k, v, w1, w2, cu, scale=SCALE, window=W, block=block, keys=keys)
+    got = dc_postonly_correction(base, q, k, v, w1, w2, cu, scale=SCALE, window=W, block=block)
     want = dense_dc(base, q, k, v, w1, w2, cu, SCALE, W)
     assert got.shape == (T, H, DV)
     assert rel(got - base, want - base) < 1e-5  # math runs in fp32
@@ -102,21 +98,16 @@ def test_bf16_views_of_a_packed_projection():
     assert rel(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("keys,block", [("band", 8), ("blocks", 8), ("blocks", 4)])
-def test_gradients_match_the_dense_definition(keys, block):
+@pytest.mark.parametrize("block", [8, 4])
+def test_gradients_match_the_dense_definition(block):
     """Every input's gradient (q, k, v through the packed tensor; base; both gates) against autograd
     through the per-query loop, including the window's edge and documents shorter than it."""
     packed, base, w1, w2, cu = packed_inputs(3)
     base, w1, w2 = (t.detach().clone().requires_grad_() for t in (base, w1, w2))
     g = torch.randn(T, H, DV, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     got = torch.autograd.grad(dc_postonly_correction(base, *views(packed), w1, w2, cu, scale=SCALE, window=W,
-                                                     block=block, keys=keys), (packed, base, w1, w2), g)
+                                                     block=block), (packed, base, w1, w2), g)
     want = torch.autograd.grad(dense_dc(base, *views(packed), w1, w2, cu, SCALE, W), (packed, base, w1, w2), g)
     for name, a, b in zip(("qkv", "base", "w1", "w2"), got, want):
         assert rel(a, b) < 1e-5, name  # the banded path runs in fp32
 
-
-def test_unknown_key_gathering_is_a_clear_error():
-    packed, base, w1, w2, cu = packed_inputs(5)
-    with pytest.raises(ValueError, match="keys must be one of band, blocks"):
-        dc_postonly_correction(base, *views(packed), w1, w2, cu, scale=SCALE, window=W, keys="rows")

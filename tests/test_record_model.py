@@ -283,38 +283,16 @@ def naive_dc(base, q, k, v, w1, w2, cu, scale, window):
     return out
 
 
-@pytest.mark.parametrize("keys", ["band", "blocks"])
 @pytest.mark.parametrize("T,window,block", [(37, 5, 8), (50, 16, 16), (20, 112, 128), (50, 21, 8)])
-def test_dc_banded_matches_naive(T, window, block, keys):
+def test_dc_banded_matches_naive(T, window, block):
     H, Dqk, Dv = 3, 12, 16
     q, k = torch.randn(T, H, Dqk), torch.randn(T, H, Dqk)
     v, base = torch.randn(T, H, Dv), torch.randn(T, H, Dv)
     w1, w2 = torch.randn(T, H), torch.randn(T, H)
     cu = torch.tensor([0, 7, 7, T // 2, T, T], dtype=torch.int32)
-    got = dc_postonly_correction(base, q, k, v, w1, w2, cu, scale=0.3, window=window, block=block, keys=keys)
+    got = dc_postonly_correction(base, q, k, v, w1, w2, cu, scale=0.3, window=window, block=block)
     ref = naive_dc(base, q, k, v, w1, w2, cu, 0.3, window)
     assert ((got.double() - ref).norm() / ref.norm()) < 1e-5
-
-
-def test_dc_key_gathering_switch_changes_nothing():
-    """model.dc_keys: the record network's loss and every parameter's gradient are the same with
-    the DC layer's keys gathered as a band or as whole key blocks."""
-    from dataclasses import replace
-
-    ref = perturb(RecordGPT(tiny_cfg()))
-    alt = RecordGPT(replace(tiny_cfg(), dc_keys="blocks"))
-    alt.load_state_dict(ref.state_dict())
-    assert ref.arch.dc_layers and alt.dc_impl.keywords == {"keys": "blocks"}
-    lr, la = ref.loss(make_batch(), ARGS), alt.loss(make_batch(), ARGS)
-    torch.testing.assert_close(la, lr, rtol=1e-6, atol=0)
-    lr.backward()
-    la.backward()
-    for (name, pr), (_, pa) in zip(ref.named_parameters(), alt.named_parameters()):
-        assert (pr.grad is None) == (pa.grad is None), name
-        if pr.grad is not None:
-            torch.testing.assert_close(pa.grad, pr.grad, rtol=1e-4, atol=1e-7, msg=name)
-    with pytest.raises(ConfigError, match="dc_keys"):
-        replace(tiny_cfg(), architecture="record", dc_keys="rows").validate()
 
 
 def test_bigram_hash_and_sign_index():

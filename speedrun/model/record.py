@@ -47,7 +47,6 @@ attributes with the signatures of :func:`record_parts.softcapped_mtp_ce`,
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from dataclasses import dataclass, replace
@@ -314,7 +313,7 @@ class RecordGPT(nn.Module):
         self.ce_impl = softcapped_mtp_ce
         self.eval_ce_impl = softcapped_ce_eval_plain
         self.mlp_impl = relu2_mlp_plain
-        self.dc_impl = functools.partial(dc_postonly_correction, keys=model_cfg.dc_keys)
+        self.dc_impl = dc_postonly_correction
         self._mlp_fp8 = None  # FP8WeightCache of mlp_bank, refreshed once per optimizer update
         self._head_fp8 = None  # (HeadFP8Weight of lm_head, lm_head._version at the refresh)
         self._qkv_fp8: dict[int, object] = {}  # attention index -> PackedQKV, same cadence

@@ -153,9 +153,6 @@ def dc_gate_weights(w1: torch.Tensor, w2: torch.Tensor, eps: float = 1e-6) -> tu
     return w1n, w2.to(w1.dtype)
 
 
-DC_KEYS = ("band", "blocks")  # dc_postonly_correction's ways of gathering each query block's keys
-
-
 def document_ids(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     """(T,) int64: index of the document each position belongs to (empty documents are skipped)."""
     pos = torch.arange(T, device=cu_seqlens.device)
@@ -194,7 +191,6 @@ def dc_postonly_correction(
     scale: float,
     window: int = 112,
     block: int = 128,
-    keys: str = "band",
 ) -> torch.Tensor:
     """Post-only DC correction added to an attention output (recipe §3.5 "Math").
 
@@ -208,12 +204,6 @@ def dc_postonly_correction(
         cu_seqlens: (N+1,) int document starts ending in T (padding repeats of T allowed).
         scale: softmax scale; window: keys per query including itself; block: query block size
             (memory knob only).
-        keys: how each query block's keys are gathered (the result is the same): "band" copies
-            the B + W keys it needs into a (blocks, H, D, B + W) band for batched GEMMs (memory
-            about (1 + window/block) x (q, k, v)); "blocks" multiplies against whole key blocks
-            in place, the query's own and the ceil((W - 1) / B) before it, as slices of one
-            head-major copy of k and of v itself, so nothing is copied per block and the backward
-            adds no overlapping band back (``model.dc_keys``).
     Returns (T, H, Dv) in base's dtype.  Math in float32.
     """
     T, H, Dqk = q.shape
@@ -227,10 +217,6 @@ def dc_postonly_correction(
         raise ValueError(f"dc_postonly_correction: w1{tuple(w1.shape)}, w2{tuple(w2.shape)} must be ({T}, {H})")
     if window < 1:
         raise ValueError(f"dc_postonly_correction: window must be >= 1, got {window}")
-    if keys not in DC_KEYS:
-        raise ValueError(f"dc_postonly_correction: keys must be one of {', '.join(DC_KEYS)}, got {keys!r}")
-    if keys == "blocks":
-        return _dc_correction_blocks(base, q, k, v, w1, w2, cu_seqlens, scale=scale, window=window, block=block)
     W, B = window, block
     nb = -(-T // B)
     Tp = nb * B
@@ -262,47 +248,6 @@ def dc_postonly_correction(
     a = (p * queries(w1.to(f32)).permute(0, 2, 1)[..., None]).sum(1)  # (nb, B, K)
     av = torch.einsum("nbk,nhdk->nbhd", a, vb)  # (nb, B, H, Dv)
     corr = (av * queries(w2.to(f32))[..., None]).reshape(Tp, H, Dv)[:T]
-    return (base.to(f32) + corr).to(base.dtype)
-
-
-def _dc_correction_blocks(base, q, k, v, w1, w2, cu_seqlens, *, scale: float, window: int, block: int):
-    """:func:`dc_postonly_correction` with ``keys="blocks"`` (arguments checked there).
-
-    Query block n (positions nB .. nB + B - 1) needs keys nB - W + 1 .. nB + B - 1, i.e. key
-    blocks n - m .. n with m = ceil((W - 1) / B) (1 at the record's W = 112, B = 128).  With m zero
-    blocks in front, key block n - m + j is block n + j of the padded keys: for each j one batched
-    GEMM against the slice ``[j : j + nb]`` of a head-major copy of k (scores) and of v as it lies
-    (the weighted sum), slices that overlap nothing and need no copy.  Scores for the m + 1 key
-    blocks sit side by side (column c = j B + key offset in its block); the window and document
-    masks make every key outside a query's window exact zeros, as in the band.
-    """
-    T, H, Dqk = q.shape
-    Dv = v.shape[-1]
-    W, B = window, block
-    nb = -(-T // B)
-    Tp = nb * B
-    m = -(-(W - 1) // B)
-    K = (m + 1) * B
-    f32 = torch.float32
-    dev = q.device
-
-    def keys_padded(x: torch.Tensor) -> torch.Tensor:  # (T, H, D) -> (m + nb, B, H, D) float32
-        return torch.cat((x.new_zeros(m * B, *x.shape[1:]), x, x.new_zeros(Tp - T, *x.shape[1:]))).to(f32).view(
-            m + nb, B, *x.shape[1:])
-
-    def queries(x: torch.Tensor) -> torch.Tensor:
-        return _query_blocks(x, nb, B)
-
-    valid = _dc_key_mask(cu_seqlens.to(dev), T, nb, B, W, front=m * B, K=K)  # (nb, B, K)
-    qh = queries(q.to(f32)).permute(0, 2, 1, 3).contiguous()  # (nb, H, B, Dqk)
-    kh = keys_padded(k).permute(0, 2, 1, 3).contiguous()  # (m + nb, H, B, Dqk): the one copy of k
-    vb = keys_padded(v).view(m + nb, B, H * Dv)  # v's own layout, padded
-    s = torch.cat([qh @ kh[j:j + nb].mT for j in range(m + 1)], dim=-1) * scale  # (nb, H, B, K)
-    s = s.masked_fill(~valid[:, None], -1e30)
-    p = torch.softmax(s, dim=-1) * valid[:, None]  # rows with no valid key (padding) become 0
-    a = (p * queries(w1.to(f32)).permute(0, 2, 1)[..., None]).sum(1)  # (nb, B, K): the head mix
-    av = sum(a[..., j * B:(j + 1) * B] @ vb[j:j + nb] for j in range(m + 1))  # (nb, B, H * Dv)
-    corr = (av.view(nb, B, H, Dv) * queries(w2.to(f32))[..., None]).reshape(Tp, H, Dv)[:T]
     return (base.to(f32) + corr).to(base.dtype)
 
 

@@ -48,9 +48,8 @@ def test_record_code_path_trains_on_gpu(tmp_path, switches):
     ["model.kernels=fp8", "model.qkv_path=reference"],                            # the baseline's kernels
     ["model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_head_dim=16",  # candidate switches
      "train.optimizer_compile=true"],
-    # the baseline as the record preset runs it: NorMuon's update compiled too (and the DC layer's
-    # keys in place, an A/B arm)
-    ["model.kernels=fp8", "model.qkv_path=reference", "train.optimizer_compile=true", "model.dc_keys=blocks"],
+    # the baseline as the record preset runs it: NorMuon's update compiled too
+    ["model.kernels=fp8", "model.qkv_path=reference", "train.optimizer_compile=true"],
 ])
 def test_record_code_path_compiles_whole_and_trains_on_gpu(tmp_path, switches):
     """Compiled (one graph per shape, fused kernels as opaque ops): trains, and the warmup compiled
