@@ -207,9 +207,27 @@ def train_patches(opts: BenchOptions) -> list[Patch]:
               '        return f"nvidia-smi unavailable: {e}"',
               "logging only"),
     ]
+    patches.append(stage_marks_patch(opts))
     if opts.profile_steps:
         patches += profile_patches(opts.profile_start, opts.profile_steps, opts.profile_device_only)
     return patches
+
+
+MARKS_FILE = "stage_marks.txt"
+
+
+def stage_marks_patch(opts: BenchOptions) -> Patch:
+    """Rank 0 appends ``upstream_NAME EPOCH_SECONDS`` to ``stage_marks.txt`` when each stage, the
+    extension and the final validation begin (host time, before the step's work is queued): the
+    phases ``benchmarks/gpu_clocks.py`` splits a clock log by."""
+    names = ("stage1", "stage2", "stage3", "extension")
+    marks = {start: f"upstream_{name}" for start, name in zip(opts.stage_starts(), names)}
+    marks[opts.scheduled + opts.extension] = "upstream_validation"
+    anchor = "    last_step = (step == train_steps)\n"
+    code = (f"    if master_process and step in {marks!r}:  {TAG} wall-clock marks for gpu_clocks.py\n"
+            f"        with open({MARKS_FILE!r}, 'a') as _speedrun_f:\n"
+            f"            _speedrun_f.write({marks!r}[step] + ' %.3f\\n' % time.time())\n")
+    return Patch("stage-marks", anchor, anchor + code, "SM clocks per stage (benchmarks/gpu_clocks.py)")
 
 
 PROFILE_FILE = "upstream_kernels.json"

@@ -9,7 +9,8 @@
 # done after WAIT_S seconds (torch.compile alone takes minutes), run the same command again on the
 # still-warm machine and it waits for that run instead of starting another (rm -rf /tmp/up to start over).
 # Writes to $OUT: upstream_patch.txt, upstream_stdout.txt, upstream_log.txt (logs/<uuid>.txt),
-# bench_config.json, upstream_steps.json (median ms per optimizer step per stage).
+# bench_config.json, upstream_steps.json (median ms per optimizer step per stage), and
+# upstream_clocks.csv + upstream_stage_marks.txt (SM clock and power per stage: gpu_clocks.py).
 set -u
 R=$(pwd)
 OUT=${OUT:-$R/bench_out}
@@ -35,9 +36,13 @@ start_run() {
     --train-files "$DATA/webmix_train_*.bin" --val-files "$DATA/webmix_val_*.bin" "$@" | tee "$OUT/upstream_patch.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || return 1
   touch "$UP/started"
-  # setsid: a new session outlives the device call; torch.distributed.run == torchrun.
+  # setsid: a new session outlives the device call; torch.distributed.run == torchrun.  The SM
+  # clock and power log runs as long as the training (stage_marks.txt splits it by stage).
   (cd "$UP" && TIKTOKEN_CACHE_DIR="$R/.carry/upstream/tiktoken_cache" PYTHONUNBUFFERED=1 setsid nohup bash -c \
-     'python3 -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt.py > stdout.txt 2>&1; echo $? > rc' \
+     'nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 250 \
+        > clocks.csv 2>&1 & L=$!
+      python3 -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt.py > stdout.txt 2>&1; echo $? > rc
+      kill $L' \
      < /dev/null > /dev/null 2>&1 &)
   log "started upstream in $UP"
 }
@@ -49,6 +54,10 @@ collect() {
   if [ -e "$UP/upstream_kernels.json" ]; then  # the source of its slowest Inductor kernels (same cache)
     python3 "$R/benchmarks/inductor_sources.py" "$UP/upstream_kernels.json" --top "${INDUCTOR_TOP:-12}" \
       --out /tmp/inductor_upstream > /dev/null 2>&1 && cat /tmp/inductor_upstream/*.py > "$OUT/inductor_upstream.txt"
+  fi
+  if [ -s "$UP/stage_marks.txt" ] && [ -s "$UP/clocks.csv" ]; then  # SM clocks per stage, busy samples
+    cp "$UP/clocks.csv" "$OUT/upstream_clocks.csv"; cp "$UP/stage_marks.txt" "$OUT/upstream_stage_marks.txt"
+    python3 "$R/benchmarks/gpu_clocks.py" "$UP/clocks.csv" --phases "$UP/stage_marks.txt"
   fi
   local logf
   logf=$(ls -t "$UP"/logs/*.txt 2>/dev/null | head -1)

@@ -361,3 +361,26 @@ def test_compare_kernels_same_name_means_as_often_too(tmp_path):
     res = cmp.compare(cmp.load(a), cmp.load(b))
     assert res["same_name_kernels"] == 1
     assert res["split"] == {"ours": {"same_name_ms": 1.0, "own_ms": 1.2}, "theirs": {"same_name_ms": 0.9, "own_ms": 6.5}}
+
+
+def test_stage_marks_patch_writes_the_phases_gpu_clocks_reads(tmp_path, monkeypatch):
+    """Rank 0 marks each stage start, the extension and the final validation with wall-clock
+    seconds, in the 'NAME EPOCH' lines benchmarks/gpu_clocks.py splits a clock log by."""
+    import time
+
+    opts = up.BenchOptions(scheduled=6, extension=2)
+    patch = up.stage_marks_patch(opts)
+    assert patch in up.train_patches(opts)
+    loop = ("train_steps = 8\n"
+            "for step in range(train_steps + 1):\n"
+            "    last_step = (step == train_steps)\n")
+    code = up.apply_patches(loop, [patch], "train_gpt.py")
+    monkeypatch.chdir(tmp_path)
+    before = time.time()
+    for master in (True, False):  # other ranks write nothing
+        exec(compile(code, "train_gpt.py", "exec"), {"time": time, "master_process": master})
+    clocks = _load("gpu_clocks")
+    phases = clocks.parse_phases((tmp_path / up.MARKS_FILE).read_text())
+    assert [name for name, _ in phases] == ["upstream_stage1", "upstream_stage2", "upstream_stage3",
+                                           "upstream_extension", "upstream_validation"]
+    assert all(before - 1 <= t <= time.time() + 1 for _, t in phases)
