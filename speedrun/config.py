@@ -91,8 +91,8 @@ class ModelConfig:
     fp8_input_scaling: str = "current"
     # Gradient of the record network's embedding tables (embed, value and bigram embeddings):
     # "autograd" (a dense table-sized gradient per micro-batch, added into .grad), or the looked-up
-    # rows' gradients added into an fp32 accumulator that the training step hands to .grad once
-    # per optimizer step (speedrun.model.embedding_grad), the rows added by "atomic" fp32 adds.
+    # rows' gradients added into an fp32 accumulator that the training step hands to .grad before
+    # each Adam (odd) step (speedrun.model.embedding_grad), the rows added by "atomic" fp32 adds.
     embedding_grad: str = "autograd"
 
     @property

@@ -107,6 +107,19 @@ def test_forward_and_backward_match_reference(variant, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_block_sizes_mask_their_tails(variant, monkeypatch):
+    """The GPU's launch parameters (tuned on the H200: small row blocks) run here in the
+    interpreter, whose own blocks are larger: T H = 148 rows leave a partial block at either size,
+    and every output must still be written and match the reference, forward and backward."""
+    from speedrun.kernels import qk_prep as m
+
+    for cfg in {(c["BLOCK_R"], c["num_warps"]) for c in m.CONFIGS.values()}:
+        monkeypatch.setattr(m, "_INTERP_CONFIG", {"BLOCK_R": cfg[0], "num_warps": cfg[1]})
+        test_forward_and_backward_match_reference(variant, torch.bfloat16)
+
+
+@needs_kernel
 def test_reference_is_record_attention_prep():
     """qk_prep_reference == a transcription of RecordGPT._attention's ops with a real Yarn (after a
     YaRN extension), from the record's [Q | K | V] column order."""

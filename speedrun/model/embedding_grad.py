@@ -13,8 +13,13 @@ over each table instead of three per micro-batch (the adds: one Triton pass,
 (autograd's route rounds to bf16 after every micro-batch), so the result is at least as exact.
 
 The price is an explicit step: until :meth:`flush` runs, ``weight.grad`` lacks the gradients of
-the lookups since the last flush (the training step calls it before the gradient reduction;
-:meth:`pending` tells whether anything is waiting).
+the lookups since the last flush (the training step calls it before an optimizer step that reads
+these gradients; :meth:`pending` tells whether anything is waiting).  The record's tables are
+updated by Adam on odd steps only, so an even step leaves its sum in the accumulators and the odd
+step flushes two steps at once: one pass over the tables saved per two steps, and the two steps'
+sum rounded to bf16 once instead of twice.  A checkpoint taken after an even step saves the
+pending sums (:meth:`pending_sum` / :meth:`restore`), so a resumed run adds the next step to
+exactly the same numbers; a discarded step (the warmup) calls :meth:`discard`.
 """
 
 from __future__ import annotations
@@ -83,6 +88,36 @@ class EmbeddingGradAccumulator:
             else:
                 weight.grad.add_(acc)
             acc.zero_()
+        self._pending = False
+
+    def pending_sum(self, weight: torch.nn.Parameter) -> torch.Tensor | None:
+        """The fp32 sum accumulated for ``weight`` since the last flush (a reference), or None
+        when nothing is pending or ``weight`` has no accumulator."""
+        entry = self._acc.get(id(weight))
+        if not self._pending or entry is None or entry[0] is not weight:
+            return None
+        return entry[1]
+
+    @torch.no_grad()
+    def restore(self, weight: torch.nn.Parameter, total: torch.Tensor) -> None:
+        """Make ``total`` (``weight``'s shape) the pending sum for ``weight`` (a checkpoint's
+        :meth:`pending_sum`), allocating the accumulator where needed."""
+        if tuple(total.shape) != tuple(weight.shape):
+            raise ValueError(f"EmbeddingGradAccumulator.restore: sum of shape {tuple(total.shape)} for a table "
+                             f"of shape {tuple(weight.shape)}")
+        entry = self._acc.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[1].device != weight.device:
+            entry = self._acc[id(weight)] = (weight, torch.zeros(weight.shape, dtype=torch.float32, device=weight.device))
+        entry[1].copy_(total)
+        self._pending = True
+
+    @torch.no_grad()
+    def discard(self) -> None:
+        """Zero the accumulators in place (their memory stays): the gradients since the last flush
+        are dropped, as ``optimizer.zero_grad()`` drops ``.grad``."""
+        if self._pending:
+            for _, acc in self._acc.values():
+                acc.zero_()
         self._pending = False
 
     def clear(self) -> None:

@@ -883,10 +883,46 @@ class RecordGPT(nn.Module):
                 acc.lookup(self.value_embeds, (offsets[:, None] + inputs).reshape(-1))
                 .view(self.num_ve, T, self.value_embeds.shape[1]))
 
+    def embedding_grad_params(self) -> list[nn.Parameter]:
+        """The tables whose gradients :meth:`embedding_lookups` accumulates in place (none with
+        ``model.embedding_grad="autograd"``)."""
+        if self._embedding_grads is None:
+            return []
+        return [self.embed, self.bigram_embed, self.value_embeds]
+
+    def embedding_grad_state(self) -> dict[str, torch.Tensor]:
+        """The tables' gradient sums since the last flush, by table name (references; {} when
+        nothing is pending): a checkpoint after an even step carries them."""
+        acc = self._embedding_grads
+        if acc is None or not acc.pending():
+            return {}
+        names = ("embed", "bigram_embed", "value_embeds")
+        sums = {n: acc.pending_sum(p) for n, p in zip(names, self.embedding_grad_params())}
+        return {n: s for n, s in sums.items() if s is not None}
+
+    def load_embedding_grad_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`embedding_grad_state` (anything pending before is dropped first)."""
+        self.discard_embedding_grads()
+        if not state:
+            return
+        if self._embedding_grads is None:
+            raise ValueError("checkpoint holds pending embedding gradients, but this model runs "
+                             "model.embedding_grad='autograd'")
+        tables = dict(zip(("embed", "bigram_embed", "value_embeds"), self.embedding_grad_params()))
+        for name, total in state.items():
+            if name not in tables:
+                raise ValueError(f"checkpoint holds pending gradients of an unknown table {name!r}")
+            self._embedding_grads.restore(tables[name], total.to(tables[name].device))
+
+    def discard_embedding_grads(self) -> None:
+        """Drop the embedding gradients accumulated since the last flush (a discarded step)."""
+        if self._embedding_grads is not None:
+            self._embedding_grads.discard()
+
     def flush_embedding_grads(self) -> None:
         """Hand the embedding tables' gradients accumulated since the last call to their ``.grad``
-        (the training step calls this once per optimizer step, before the gradient reduction).
-        No-op with ``model.embedding_grad="autograd"``."""
+        (the training step calls this before each optimizer step that reads them: the record's
+        Adam steps; a checkpoint calls it too).  No-op with ``model.embedding_grad="autograd"``."""
         if self._embedding_grads is not None:
             self._embedding_grads.flush()
 

@@ -154,7 +154,7 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
         total += loss.detach()
         mark("after_backward")
     flush = getattr(model, "flush_embedding_grads", None)
-    if flush is not None:  # embedding tables' gradients accumulated in place (model.embedding_grad)
+    if flush is not None and recipe.embedding_grads_due(step):  # accumulated in place (model.embedding_grad)
         flush()
     if not recipe.grads_reduced_by_optimizer:
         distributed.all_reduce_mean_([p.grad for p in model.parameters() if p.grad is not None], info)
@@ -430,6 +430,9 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         model.load_state_dict(model_state)
         optimizer.load_state_dict(opt_state)
         optimizer.zero_grad()
+        discard = getattr(model, "discard_embedding_grads", None)
+        if discard is not None:  # an even warmup step's embedding gradients, not yet flushed
+            discard()
         recipe.sync_to(0)
         torch.manual_seed(cfg.train.seed)
         _sync(device)
@@ -453,9 +456,14 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
             model.load_fp8_state_dict(fp8_states[info.rank])  # before sync_to's refresh, which replays it
         start_step, train_ms = ckpt["step"], ckpt["train_time_ms"]
         if ckpt["optimizer"] is None:  # sharded: every rank kept its own part
-            optimizer.load_state_dict(load_rank_state(run_dir, start_step, info.rank, device)["optimizer"])
+            rank_state = load_rank_state(run_dir, start_step, info.rank, device)
+            optimizer.load_state_dict(rank_state["optimizer"])
+            emb = rank_state.get("embedding_grads") or {}
         else:
             optimizer.load_state_dict(ckpt["optimizer"])
+            emb = ckpt.get("embedding_grads") or {}
+        if hasattr(model, "load_embedding_grad_state"):
+            model.load_embedding_grad_state(emb)
         stage_index = recipe.stage_index(start_step)
         loader.close()
         loader = make_loader(stage_index)
@@ -470,19 +478,23 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     sharded_optimizer = recipe.grads_reduced_by_optimizer and info.enabled
 
     def checkpoint(step: int) -> None:
+        # After an even step the embedding tables' gradients wait in this rank's fp32 accumulators
+        # (model.embedding_grad): saved beside the optimizer state, which holds the other pending ones.
+        emb = model.embedding_grad_state() if hasattr(model, "embedding_grad_state") else {}
         loaders = _gather_objects(loader.state_dict(), info)
         # One FP8 state per rank, each restored by its own rank (the activation scales are
         # step-synchronous, so the ranks' copies agree).
         fp8_states = _gather_objects(_tensors_to_cpu(model.fp8_state_dict()) if hasattr(model, "fp8_state_dict")
                                      else {}, info)
         if sharded_optimizer:
-            save_rank_state(run_dir, step, info.rank, {"optimizer": optimizer.state_dict()})
+            save_rank_state(run_dir, step, info.rank, {"optimizer": optimizer.state_dict(), "embedding_grads": emb})
             distributed.barrier(info)
         if info.is_main:
             save_checkpoint(run_dir, step, {
                 "step": step, "train_time_ms": train_ms, "model": model.state_dict(),
                 "fp8": fp8_states,
                 "optimizer": None if sharded_optimizer else optimizer.state_dict(), "loaders": loaders,
+                "embedding_grads": None if sharded_optimizer else emb,
                 "rng": _rng_state(device), "config": cfg.to_dict(),
             })
         distributed.barrier(info)

@@ -12,7 +12,8 @@ The training loop is one code path; a recipe supplies the schedule around it:
 Interface used by the loop: ``stages``, ``stage_index(step)``, ``forward_args(step)``,
 ``eval_args(step, final)``, ``before_step(step)``, ``after_backward(batch)``,
 ``optimizer_step(step)``, ``on_clock_start()``, ``sync_to(step)`` (after a reset or resume),
-``grads_reduced_by_optimizer``.
+``embedding_grads_due(step)`` (whether the optimizer step reads the embedding tables' in-place
+accumulated gradients, so the loop flushes them first), ``grads_reduced_by_optimizer``.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class CoreRecipe:
     def before_step(self, step: int) -> None:
         pass
 
+    def embedding_grads_due(self, step: int) -> bool:
+        return True
+
     def after_backward(self, batch) -> None:
         pass
 
@@ -149,6 +153,8 @@ class RecordRecipe:
                                         schedule=self.schedule, tied=("lm_head", "embed"),
                                         use_triton=kernels[t.optimizer_kernels],
                                         compile_backend="inductor" if t.optimizer_compile else None)
+        adam = {id(e.param) for e in self.optimizer.entries.values() if e.spec.optim == "adam"}
+        self._embeddings_adam_only = all(id(p) in adam for p in model.embedding_grad_params())
         self._long_window = None
         self.max_tokens = 0  # set by the loop: the largest micro-batch, for rebuilding RoPE tables
         self.fp8_refreshes = 0
@@ -178,6 +184,11 @@ class RecordRecipe:
 
     def before_step(self, step: int) -> None:
         self._set_long_window(self.schedule.at(step).window_long)
+
+    def embedding_grads_due(self, step: int) -> bool:
+        """Adam, which updates every embedding table, steps on odd steps only: an even step's
+        table gradients stay in the fp32 accumulators, summed with the next step's."""
+        return self.schedule.at(step).adam_step or not self._embeddings_adam_only
 
     def sync_to(self, step: int) -> None:
         """Put YaRN in the state it has at ``step`` (after a reset, a warmup or a resume)."""
