@@ -237,6 +237,11 @@ def test_bench_step_on_gpu(tmp_path, compile_):
     # Memory per arm: a step allocates activations above what it starts with; the wider MLP more.
     assert 0 < base["resident_mib"] and 0 < base["step_peak_mib"] < wide["step_peak_mib"]
     assert base["peak_mib"] == pytest.approx(base["resident_mib"] + base["step_peak_mib"])
+    # NVML (nvidia-ml-py is on the device image): clocks sampled while the arms' steps ran
+    clocks = res["clocks"]
+    assert clocks["note"].startswith("NVML every"), clocks["note"]
+    assert sum(c["samples"] for c in clocks["per_arm"].values()) > 0
+    assert all(300 < c["sm_mhz_median"] <= 3000 and c["power_w_median"] > 0 for c in clocks["per_arm"].values())
 
 
 def test_bench_step_under_torchrun_two_ranks(tmp_path, builtin_cache):
@@ -261,3 +266,63 @@ def test_bench_step_under_torchrun_two_ranks(tmp_path, builtin_cache):
     assert res["world_size"] == 2 and [a["name"] for a in res["arms"]] == ["base", "cand"]
     assert all(len(a["times_ms"]) == 20 and min(a["times_ms"]) > 0 for a in res["arms"])
     assert run.stdout.count("1 (baseline)") == 1, run.stdout  # one table, from rank 0
+
+
+def test_clock_samples_are_filed_under_the_arm_whose_step_runs(monkeypatch):
+    """With a GPU clock reader (a stand-in here), every sample taken during an arm's timed step is
+    filed under that arm, none between steps, and the table prints the per-arm medians; on the CPU
+    the result says why there are none."""
+    import time
+
+    from speedrun.evidence import bench
+    from speedrun.evidence.gpuclock import ClockSampler
+
+    fake = {"a": (1980.0, 300.0, 40.0), "b": (1700.0, 690.0, 60.0)}
+    current = {"arm": None}
+    sampler = ClockSampler(lambda: fake[current["arm"]] if current["arm"] else (0.0, 0.0, 0.0), interval_s=0.001)
+
+    def step(s, meter=None, chain=1):
+        current["arm"] = s.name
+        time.sleep(0.02)  # the sampler thread runs while the "step" does
+        current["arm"] = None
+        return 1.0
+
+    monkeypatch.setattr(bench, "time_step", step)
+    monkeypatch.setattr(bench, "_clock_sampler", lambda info: (sampler, "stand-in reader"))
+    res = bench.bench_step(parse_arms(["a=tiny", "b=tiny"]), steps=20, warmup=0, common=SMALL)
+    per_arm = res["clocks"]["per_arm"]
+    assert set(per_arm) == {"a", "b"} and all(v["samples"] >= 20 for v in per_arm.values())
+    assert (per_arm["a"]["sm_mhz_median"], per_arm["a"]["power_w_median"]) == (1980.0, 300.0)
+    assert (per_arm["b"]["sm_mhz_p10"], per_arm["b"]["temp_c_max"]) == (1700.0, 60.0)
+    assert sampler.label is None and not sampler._thread.is_alive()
+    text = bench.render_table(res)
+    assert "GPU clocks while each arm ran (stand-in reader)" in text and "1700" in text
+
+    monkeypatch.undo()
+    monkeypatch.setattr(bench, "time_step", lambda s, meter=None, chain=1: 1.0)
+    res = bench.bench_step(parse_arms(["a=tiny"]), steps=2, warmup=0, common=SMALL)
+    assert res["clocks"] == {"per_arm": {}, "note": "no GPU clocks on a cpu device"}
+    assert "GPU clocks: no GPU clocks on a cpu device" in bench.render_table(res)
+    res = bench.bench_step(parse_arms(["a=tiny"]), steps=2, warmup=0, common=SMALL, clocks=False)
+    assert res["clocks"]["note"] == "not sampled (--no-clocks)"
+
+
+def test_clock_sampler_survives_failed_reads_and_checks_its_interval():
+    import time
+
+    from speedrun.evidence.gpuclock import ClockSampler
+
+    reads = iter([RuntimeError("nvml hiccup")] + [(1800.0, 650.0, 55.0)] * 1000)
+
+    def read():
+        r = next(reads)
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    with ClockSampler(read, interval_s=0.001) as s:
+        s.label = "x"
+        time.sleep(0.05)
+    assert s.errors == 1 and s.summary()["x"]["sm_mhz_median"] == 1800.0
+    with pytest.raises(ValueError, match="interval_s must be > 0"):
+        ClockSampler(read, interval_s=0)

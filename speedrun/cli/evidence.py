@@ -134,6 +134,11 @@ same rounds (arm and arm@3, paired).  --sync-scan runs
 one more step under torch's sync debug mode and names the lines that make the host wait for the
 GPU (a .item(), torch.tensor(list, device="cuda"), t[idx] = True: blocking copies).
 
+GPU clocks: on CUDA with nvidia-ml-py, a thread samples the SM clock, power and temperature
+during each arm's timed steps (rank 0's GPU), printed per arm.  An H200 at its power limit lowers
+its clock, so two arms can run the same kernels at different clocks; read a ratio with them.
+--no-clocks turns the sampling off.
+
 arm syntax: NAME=PRESET[:SECTION.FIELD=VALUE,SECTION.FIELD=VALUE,...]  (a bare PRESET names the
 arm after the preset; --set applies to every arm before the arm's own overrides)
 
@@ -214,6 +219,8 @@ def _add_bench(sub) -> None:
                         "each step timed alone from an idle GPU; K > 1 lets the host run ahead into the "
                         "next step as a training run does, the way upstream's logged step times are taken); "
                         "several (1,3) time every arm both ways in the same rounds, as ARM and ARM@3")
+    p.add_argument("--no-clocks", dest="clocks", action="store_false",
+                   help="do not sample the GPU's SM clock, power and temperature during the timed steps")
     p.add_argument("--sync-scan", action="store_true",
                    help="one more step per arm under torch's sync debug mode: list the calls that "
                         "synchronise with the GPU, with our code's lines (CUDA)")

@@ -256,7 +256,7 @@ def _gather_max(times: list[float], info) -> list[float]:
 def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 0, steps: int = MIN_STEPS,
                warmup: int = 3, common: Sequence[str] = (), seed: int = 0, n_boot: int = 2000,
                progress: bool = False, host_steps: int = 0, sync_scan: bool = False,
-               chain: int | Sequence[int] = 1) -> dict[str, Any]:
+               chain: int | Sequence[int] = 1, clocks: bool = True) -> dict[str, Any]:
     """Time ``steps`` optimizer steps per arm, interleaved, after ``warmup`` untimed steps each.
 
     ``chain``: steps issued back to back per timed sample (see :func:`time_step`); a sample is
@@ -272,6 +272,10 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
     per arm, interleaved, traced phase by phase (host issue time, GPU time, how far the GPU trails
     the host); ``sync_scan``: one more step per arm under torch's sync debug mode, listing the
     calls that synchronise.  Both run after the timed steps.
+
+    ``clocks`` (CUDA with NVML): SM clock, power and temperature sampled during each arm's timed
+    steps (:mod:`speedrun.evidence.gpuclock`; rank 0's GPU), so a ratio can be read against the
+    clocks each arm ran at; where NVML is missing the result says why.
     """
     if not arms:
         raise ConfigError("bench step needs at least one arm")
@@ -289,6 +293,7 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
     info = distributed.setup(configs[0][1].train.device)
     meter = MemoryMeter(info.device)
     sessions: list[Session] = []
+    sampler, clocks_note = _clock_sampler(info) if clocks else (None, "not sampled (--no-clocks)")
     try:
         for name, cfg, _ in configs:
             before = meter.allocated()
@@ -300,20 +305,29 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
                 s.step()
             distributed.barrier(info)
             s.resident_bytes += meter.allocated() - before  # optimizer state, FP8 caches, grads kept
+        if sampler is not None:
+            sampler.__enter__()
         for rep in range(steps):
             k = rep % len(sessions)
             for s in sessions[k:] + sessions[:k]:
                 for c in chains:
+                    if sampler is not None:
+                        sampler.label = series_name(s.name, c, chains)
                     s.times_ms.setdefault(c, []).append(time_step(s, meter, c))
+                    if sampler is not None:
+                        sampler.label = None
             if progress and info.is_main and (rep + 1) % 10 == 0:
                 print(f"  {rep + 1}/{steps} repetitions", flush=True)
         times = {series_name(s.name, c, chains): _gather_max(s.times_ms[c], info) for s in sessions for c in chains}
         _host_side(sessions, info, host_steps, sync_scan)
     finally:
+        if sampler is not None:
+            sampler.__exit__(None, None, None)
         for s in sessions:
             s.close()
     distributed.teardown()
     result = _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info, chains)
+    result["clocks"] = {"per_arm": sampler.summary() if sampler is not None else {}, "note": clocks_note}
     del sessions
     if info.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -402,6 +416,19 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
     }
 
 
+def _clock_sampler(info):
+    """(ClockSampler or None, a note): rank 0 samples its GPU; other ranks and devices do not."""
+    from speedrun.evidence.gpuclock import ClockSampler, nvml_reader
+
+    if not info.is_main:
+        return None, "rank 0's GPU only"
+    read, why = nvml_reader(info.device)
+    if read is None:
+        return None, why
+    sampler = ClockSampler(read)
+    return sampler, f"NVML every {sampler.interval_s * 1000:.0f} ms during timed steps, rank 0's GPU"
+
+
 def _memory_fields(s: Session, info) -> dict[str, float | None]:
     """The arm's memory in MiB (CUDA; None elsewhere), the maximum over ranks."""
     if info.device.type != "cuda":
@@ -429,10 +456,24 @@ def render_table(result: dict[str, Any]) -> str:
         peak_s = f"{peak:>9,.0f}" if peak is not None else f"{'-':>9}"
         lines.append(f"{a['name']:<16} {a['median_ms']:>10.3f} {a['q1_ms']:>9.3f} {a['q3_ms']:>9.3f} "
                      f"{a['iqr_ms']:>8.3f} {a['tokens_per_s']:>13,.0f} {peak_s}  {ratio}")
+    lines += _render_clocks(result)
     lines += _render_host(result)
     for w in result["warnings"]:
         lines.append(f"warning: {w}")
     return "\n".join(lines) + "\n"
+
+
+def _render_clocks(result: dict[str, Any]) -> list[str]:
+    clocks = result.get("clocks") or {}
+    per_arm = clocks.get("per_arm") or {}
+    if not per_arm:
+        return [f"GPU clocks: {clocks['note']}"] if clocks.get("note") else []
+    lines = ["", f"GPU clocks while each arm ran ({clocks['note']}):",
+             f"{'arm':<16} {'samples':>7} {'SM MHz':>7} {'p10':>6} {'power W':>8} {'max C':>6}"]
+    for name, c in per_arm.items():
+        lines.append(f"{name:<16} {c['samples']:>7} {c['sm_mhz_median']:>7.0f} {c['sm_mhz_p10']:>6.0f} "
+                     f"{c['power_w_median']:>8.0f} {c['temp_c_max']:>6.0f}")
+    return lines
 
 
 def _render_host(result: dict[str, Any]) -> list[str]:
@@ -481,7 +522,7 @@ def cli_bench_step(args) -> int:
         + list(args.overrides)
     result = bench_step(arms, stage=args.stage, steps=args.steps, warmup=args.warmup, common=common,
                         seed=args.seed, progress=True, host_steps=args.host_steps, sync_scan=args.sync_scan,
-                        chain=args.chain)
+                        chain=args.chain, clocks=getattr(args, "clocks", True))
     if result["fingerprint"] is None:  # not rank 0
         return 0
     print(render_table(result), end="")
