@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time alternative Triton block configurations")
     p.add_argument("--sweep-filter", metavar="REGEX", default="",
                    help="with --sweep: only the GEMMs whose 'KIND WHAT ROUTE' matches (e.g. 'fp8 dpre.*tma-epilogue'), "
-                        "and no quantise sweep unless it matches 'quant'")
+                        "and no quantise or abs_max sweep unless it matches 'quant' or 'amax'")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_mlp: needs a CUDA GPU", file=sys.stderr)
@@ -395,6 +395,22 @@ def main(argv=None) -> int:
                 ms = _bench(lambda t=t: quantize_dual_layout(t, s), rep_ms=100)
                 sweep.append({"kind": f"quant {what}", "config": list(c), "ms": ms, "tbps": t.numel() * 4 / (ms * 1e-3) / 1e12})
         FC.QUANT_CONFIG = saved_q
+        # abs_max (current scaling's amax pass, 88 per record stage-3 step): 47% of the copy
+        # bandwidth at (4096, 8, 4) in the eleventh session
+        saved_a = FC.ABS_MAX_CONFIG
+        amax_configs = [(b, w, p) for b in (2048, 4096, 8192) for w in (4, 8, 16) for p in (2, 4, 8)]
+        for c in amax_configs if wanted is None or wanted.search("amax") else []:
+            FC.ABS_MAX_CONFIG = c
+            ms = _bench(lambda: FC.abs_max(x), rep_ms=100)
+            sweep.append({"kind": "amax x", "config": list(c), "ms": ms, "tbps": x.numel() * 2 / (ms * 1e-3) / 1e12})
+        FC.ABS_MAX_CONFIG = saved_a
+        amax_rows = [r_ for r_ in sweep if r_.get("kind") == "amax x"]
+        if amax_rows:
+            best = min(amax_rows, key=lambda r_: r_["ms"])
+            now = [r_ for r_ in amax_rows if tuple(r_["config"]) == tuple(saved_a)]
+            print(f"abs_max sweep (BLOCK, warps, programs per SM): best {best['config']} {best['ms']:.4f} ms "
+                  f"({best['tbps']:.2f} TB/s); current {list(saved_a)}"
+                  + (f" {now[0]['ms']:.4f} ms" if now else ""), flush=True)
         res["sweep"] = sweep
 
     res["rows"] = rows
