@@ -11,6 +11,7 @@ import torch
 
 from speedrun.kernels.fp8_cache import (
     abs_max,
+    abs_max_partials,
     abs_max_reference,
     E4M3,
     E5M2,
@@ -274,6 +275,42 @@ def test_abs_max_special_values_and_fallbacks():
     y = torch.randn(64, 48).bfloat16()
     assert torch.equal(abs_max(y.t()), abs_max_reference(y))  # non-contiguous: the reference path
     assert abs_max(torch.empty(0)) == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 1000, 5 * 1024 + 7])
+def test_abs_max_partials_reduce_to_abs_max(n):
+    """Per-program maxima (no zeroed buffer, no atomics): their max is abs_max, every slot is
+    written (the buffer is torch.empty), and a NaN in any program's range propagates."""
+    g = torch.Generator().manual_seed(n + 1)
+    x = torch.randn(n, generator=g).bfloat16().to(DEV)
+    x[-1] = 9.5  # the largest magnitude in the last program's range
+    parts = abs_max_partials(x)
+    assert parts.dtype == torch.float32 and parts.dim() == 1 and 1 <= parts.numel() <= max(1, -(-n // 1024))
+    assert torch.isfinite(parts).all() and torch.equal(parts.max(), abs_max(x)) and parts.max() == 9.5
+    if n > 2048:
+        x[2048] = float("nan")  # inside a later program's range
+        assert abs_max_partials(x).isnan().any()
+    y = torch.randn(64, 48).bfloat16().to(DEV)
+    assert torch.equal(abs_max_partials(y.t()), abs_max_reference(y).reshape(1))  # non-contiguous: reference
+
+
+@needs_kernel
+def test_quantize_current_reduces_partials_from_every_program():
+    """quantize_current's kernel reduces the abs-max pass's partials itself: the scale follows a
+    maximum or a NaN that lies in any program's range, bit for bit with the reference."""
+    from speedrun.kernels.fp8_cache import _quantize
+
+    for where in (0, 1500, 48 * 80 - 1):  # first, middle, last of four programs' ranges
+        x = torch.randn(48, 80).bfloat16().to(DEV)
+        x.view(-1)[where] = -300.0
+        q, qt, s = quantize_current(x)
+        rq, rqt, rs = quantize_current_reference(x)
+        assert torch.equal(s, rs) and s.item() == pytest.approx(300.0 / 448) and torch.equal(_bits(q), _bits(rq))
+        x.view(-1)[where] = float("nan")
+        assert quantize_current(x)[2].isnan()
+    with pytest.raises(ValueError, match="partials need scale_from_amax"):
+        _quantize(x, torch.tensor(1.0), E4M3, transposed=True, partials=torch.ones(3))
 
 
 # ---- static and row-scaled quantisation (the FP8 LM head's x and its weight-gradient operand) ----

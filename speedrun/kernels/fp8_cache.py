@@ -149,9 +149,10 @@ def grid_constants(dtype: torch.dtype) -> dict:
 @triton.jit
 def _dual_layout_kernel(
     w_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, row_scale_ptr,
-    R, C, stride_wb, stride_wr,
+    R, C, stride_wb, stride_wr, n_partials,
     SCALE_PER_MATRIX: tl.constexpr, FMAX: tl.constexpr, FP8_E5M2: tl.constexpr, STORE_T: tl.constexpr,
     SCALE_FROM_AMAX: tl.constexpr, AMAX_FLOOR_C: tl.constexpr, ROW_SCALE: tl.constexpr, STORE_Q: tl.constexpr,
+    PARTIALS_BLOCK: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     EXACT_CASTS: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, SUB_C: tl.constexpr, MIN_NORMAL: tl.constexpr,
 ):
@@ -159,6 +160,8 @@ def _dual_layout_kernel(
     measured max |w| and ``scale_ptr`` an output, ``s = max(amax, floor) / FMAX`` computed here
     (saves the two tiny torch kernels that computed it, and the atomic amax this pass would repeat);
     otherwise ``scale_ptr`` is an input and max |w| is max-accumulated into ``amax_ptr``.
+    PARTIALS_BLOCK > 0 (with SCALE_FROM_AMAX): ``amax_ptr`` holds ``n_partials`` per-program maxima
+    of the abs-max pass (:func:`abs_max_partials`), reduced here by every program (NaN propagates).
     ROW_SCALE: each row is first multiplied by ``row_scale_ptr[row]`` (fp32), and the amax is of
     the scaled rows; STORE_Q False skips the row-major output (transposed layout only)."""
     pid = tl.program_id(0)
@@ -172,7 +175,13 @@ def _dual_layout_kernel(
     if ROW_SCALE:
         w = w * tl.load(row_scale_ptr + offs_r, mask=offs_r < R, other=0.0)[:, None]
     if SCALE_FROM_AMAX:
-        a = tl.load(amax_ptr)
+        if PARTIALS_BLOCK > 0:
+            k = tl.arange(0, PARTIALS_BLOCK)
+            parts = tl.load(amax_ptr + k, mask=k < n_partials, other=0.0)
+            a = tl.max(parts, axis=0)
+            a = tl.where(tl.max((parts != parts).to(tl.int32), axis=0) > 0, float("nan"), a)
+        else:
+            a = tl.load(amax_ptr)
         # torch's clamp_min propagates NaN; so does this (a NaN input gives NaN payload and scale).
         s = tl.math.div_rn(tl.where(a != a, a, tl.maximum(a, AMAX_FLOOR_C)), FMAX)
         tl.store(scale_ptr, s, mask=(pid == 0) & (b == 0))
@@ -219,7 +228,7 @@ def _check_quant_args(w: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dty
         )
 
 
-def _alloc(w, fp8_dtype, out, out_t, amax, transposed=True, check_out=True):
+def _alloc(w, fp8_dtype, out, out_t, amax, transposed=True, check_out=True, check_amax=True):
     R, C = w.shape[-2:]
     lead = tuple(w.shape[:-2])
     if out is None:
@@ -233,7 +242,7 @@ def _alloc(w, fp8_dtype, out, out_t, amax, transposed=True, check_out=True):
     for t, shape, what in checks:
         if tuple(t.shape) != shape or t.dtype != fp8_dtype or not t.is_contiguous():
             raise ValueError(f"{what} must be a contiguous {fp8_dtype} tensor of shape {shape}, got {t.dtype} {tuple(t.shape)}")
-    if tuple(amax.shape) != lead or amax.dtype != torch.float32:
+    if check_amax and (tuple(amax.shape) != lead or amax.dtype != torch.float32):
         raise ValueError(f"amax must be an fp32 tensor of shape {lead}, got {amax.dtype} {tuple(amax.shape)}")
     return out, out_t, amax
 
@@ -347,16 +356,22 @@ QUANT_CONFIG = (32, 128, 4)
 
 
 def _quantize(w, scale, fp8_dtype, *, transposed, out=None, out_t=None, amax=None, scale_from_amax=False,
-              row_scale=None, store_rowmajor=True):
+              row_scale=None, store_rowmajor=True, partials=None):
     """Shared launcher: the dual-layout kernel, or row-major only when ``transposed`` is False.
 
     ``scale_from_amax`` (Triton only, one matrix): ``amax`` holds the measured max |w| and the
-    kernel writes ``scale`` (an output) from it instead of reading it.  ``row_scale`` (R,) fp32
-    (one matrix) multiplies each row first; ``store_rowmajor`` False writes only the
-    transposed layout (``out`` is then a 0-element placeholder)."""
+    kernel writes ``scale`` (an output) from it instead of reading it; or ``partials`` (1-D fp32,
+    with ``scale_from_amax``, Triton only) holds per-program maxima the kernel reduces first.
+    ``row_scale`` (R,) fp32 (one matrix) multiplies each row first; ``store_rowmajor`` False
+    writes only the transposed layout (``out`` is then a 0-element placeholder)."""
+    if partials is not None and not (scale_from_amax and triton_usable(w) and w.dim() == 2 and partials.dim() == 1
+                                     and partials.dtype == torch.float32 and partials.numel() > 0):
+        raise ValueError("_quantize: partials need scale_from_amax, the Triton path, one matrix and a "
+                         f"non-empty 1-D fp32 tensor, got {partials.dtype} {tuple(partials.shape)}")
     if not store_rowmajor and out is None:
         out = torch.empty((0,), dtype=fp8_dtype, device=w.device)
-    out, out_t, amax = _alloc(w, fp8_dtype, out, out_t, amax, transposed, check_out=store_rowmajor)
+    out, out_t, amax = _alloc(w, fp8_dtype, out, out_t, partials if partials is not None else amax, transposed,
+                              check_out=store_rowmajor, check_amax=partials is None)
     if not triton_usable(w):
         src = w if row_scale is None else w.float() * row_scale[:, None]  # the kernel's order: scale rows, then 1/s
         q, qt, a = quantize_dual_layout_reference(src, scale, fp8_dtype=fp8_dtype)
@@ -373,23 +388,26 @@ def _quantize(w, scale, fp8_dtype, *, transposed, out=None, out_t=None, amax=Non
     else:
         br, bc, warps = QUANT_CONFIG
     grid = (cdiv(R, br) * cdiv(C, bc), B)
-    with launch_note("_dual_layout_kernel", reads=(w, row_scale),
+    with launch_note("_dual_layout_kernel", reads=(w, row_scale, partials),
                      writes=(out if store_rowmajor else None, out_t if transposed else None)):
         launch(_dual_layout_kernel, grid,
             w, out.view(torch.uint8), out_t.view(torch.uint8), scale, amax, row_scale if row_scale is not None else scale,
-            R, C, w.stride(0) if w.dim() == 3 else 0, w.stride(-2),
+            R, C, w.stride(0) if w.dim() == 3 else 0, w.stride(-2), partials.numel() if partials is not None else 0,
             SCALE_PER_MATRIX=scale.dim() == 1, FMAX=FP8_MAX[fp8_dtype], FP8_E5M2=fp8_dtype == E5M2, STORE_T=transposed,
             SCALE_FROM_AMAX=scale_from_amax, AMAX_FLOOR_C=AMAX_FLOOR, ROW_SCALE=row_scale is not None,
-            STORE_Q=store_rowmajor, BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+            STORE_Q=store_rowmajor, PARTIALS_BLOCK=next_pow2(partials.numel()) if partials is not None else 0,
+            BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
             EXACT_CASTS=interpreting(), **grid_constants(fp8_dtype),
         )
     return out, out_t, amax
 
 
 @triton.jit
-def _abs_max_kernel(x_ptr, amax_ptr, n, step, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+def _abs_max_kernel(x_ptr, amax_ptr, n, step, BLOCK: tl.constexpr, ITERS: tl.constexpr, PARTIALS: tl.constexpr):
     """max |x| over a flat tensor: grid-stride loop of ITERS blocks ``step`` = programs x BLOCK
-    apart, one atomic per program; NaN propagates.  ITERS is a constexpr because the CPU
+    apart; NaN propagates.  Each program max-accumulates its maximum into ``amax_ptr[0]`` with one
+    atomic (the buffer zeroed first), or with PARTIALS stores it to ``amax_ptr[program]`` (no
+    zeroing, no atomic: the consumer reduces the partials).  ITERS is a constexpr because the CPU
     interpreter cannot take a runtime loop bound (few values occur: one per tensor size)."""
     pid = tl.program_id(0)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -401,8 +419,11 @@ def _abs_max_kernel(x_ptr, amax_ptr, n, step, BLOCK: tl.constexpr, ITERS: tl.con
         bad = tl.maximum(bad, (x != x).to(tl.int32))
     m = tl.max(acc, axis=0)
     m = tl.where(tl.max(bad, axis=0) > 0, float("nan"), m)
-    # Non-negative floats order like their bit patterns (NaN above inf), so the atomic is exact.
-    tl.atomic_max(amax_ptr, m)
+    if PARTIALS:
+        tl.store(amax_ptr + pid, m)
+    else:
+        # Non-negative floats order like their bit patterns (NaN above inf), so the atomic is exact.
+        tl.atomic_max(amax_ptr, m)
 
 
 ABS_MAX_CONFIG = (4096, 8, 4)  # BLOCK elements per iteration, num_warps, programs per SM
@@ -423,25 +444,47 @@ def sm_count(device: torch.device) -> int:
 _INTERPRETED = isinstance(_abs_max_kernel, InterpretedFunction)
 
 
-def abs_max(x: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` as a 0-d fp32 tensor (NaN if x holds one), read once at full bandwidth.
+def _abs_max_triton_ok(x: torch.Tensor) -> bool:
+    return triton_usable(x) and x.is_contiguous() and 0 < x.numel() < 2**31
 
-    Triton grid-stride reduction on CUDA / under the interpreter for contiguous tensors below 2**31
-    elements, else :func:`abs_max_reference`.  Exact: the maximum does not depend on order."""
+
+def _launch_abs_max(x: torch.Tensor, partials: bool) -> torch.Tensor:
     n = x.numel()
-    if not (triton_usable(x) and x.is_contiguous() and 0 < n < 2**31):
-        return abs_max_reference(x)
-    out = torch.zeros((), dtype=torch.float32, device=x.device)
     block, warps, per_sm = (1024, 1, 0) if interpreting() else ABS_MAX_CONFIG
     programs = cdiv(n, block)
     if x.is_cuda:
         programs = min(programs, per_sm * sm_count(x.device))
     else:
         programs = min(programs, 4)  # the interpreter pays per program
+    # partials: every program writes its own slot (no zeroing); else one zeroed slot, atomics
+    out = (torch.empty((programs,), dtype=torch.float32, device=x.device) if partials
+           else torch.zeros((), dtype=torch.float32, device=x.device))
     step = programs * block
     with launch_note("_abs_max_kernel", reads=(x,), writes=(out,)):
-        launch(_abs_max_kernel, (programs,), x, out, n, step, BLOCK=block, ITERS=cdiv(n, step), num_warps=warps)
+        launch(_abs_max_kernel, (programs,), x, out, n, step, BLOCK=block, ITERS=cdiv(n, step), PARTIALS=partials,
+               num_warps=warps)
     return out
+
+
+def abs_max(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` as a 0-d fp32 tensor (NaN if x holds one), read once at full bandwidth.
+
+    Triton grid-stride reduction on CUDA / under the interpreter for contiguous tensors below 2**31
+    elements, else :func:`abs_max_reference`.  Exact: the maximum does not depend on order."""
+    if not _abs_max_triton_ok(x):
+        return abs_max_reference(x)
+    return _launch_abs_max(x, partials=False)
+
+
+def abs_max_partials(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` left as per-program maxima: a 1-D fp32 tensor (at most 4 per SM) whose max is
+    :func:`abs_max` (NaN if x holds one).  Saves the zeroed output and the atomics of
+    :func:`abs_max` for a consumer that reduces the partials itself (the quantise kernel of
+    :func:`quantize_current`).  Same conditions as :func:`abs_max`; elsewhere one partial, the
+    reference's maximum."""
+    if not _abs_max_triton_ok(x):
+        return abs_max_reference(x).reshape(1)
+    return _launch_abs_max(x, partials=True)
 
 
 def abs_max_reference(x: torch.Tensor) -> torch.Tensor:
@@ -457,11 +500,16 @@ def quantize_current(
     """Current (just-in-time) tensorwise scaling of one matrix: ``s = max(max|x|, 1e-12) / FMAX``.
 
     x: (R, C) bf16/fp16/fp32 row-major, R and C multiples of 16.  Two reads of ``x`` (the amax
-    pass, then the quantise kernel, which derives the scale itself: two Triton launches and one
-    memset in all).  Returns ``(x_fp8 (R, C), x_fp8_t (C, R) or None, s 0-d fp32)``, bit-identical
-    to :func:`quantize_current_reference`.
+    pass, leaving per-program maxima, then the quantise kernel, which reduces them and derives the
+    scale itself: two Triton launches, no memset, no atomics).  Returns ``(x_fp8 (R, C), x_fp8_t
+    (C, R) or None, s 0-d fp32)``, bit-identical to :func:`quantize_current_reference`.
     """
     _check_one_matrix(x, fp8_dtype, "quantize_current")
+    if _abs_max_triton_ok(x):
+        scale = torch.empty((), dtype=torch.float32, device=x.device)
+        q, qt, _ = _quantize(x, scale, fp8_dtype, transposed=transposed, scale_from_amax=True,
+                             partials=abs_max_partials(x))
+        return q, (qt if transposed else None), scale
     return _quantize_from_amax(x, abs_max(x), fp8_dtype, transposed)
 
 
