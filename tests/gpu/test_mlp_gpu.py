@@ -291,6 +291,23 @@ def test_quantize_current_bitwise_at_record_shapes(shape, fp8_dtype):
     assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8))
 
 
+def test_quantize_current_reduces_every_programs_partial_at_record_shape():
+    """The abs-max pass leaves one maximum per program (528 on an H200) for the quantise kernel to
+    reduce: a maximum in the last program's range and a NaN in a middle one both reach the scale."""
+    from speedrun.kernels.fp8_cache import abs_max_partials, quantize_current, quantize_current_reference
+
+    x = (torch.randn(49152, 768, device=DEV, generator=torch.Generator(device=DEV).manual_seed(5)) * 0.1).bfloat16()
+    parts = abs_max_partials(x)
+    assert parts.numel() > 100 and torch.isfinite(parts).all()
+    x.view(-1)[-1] = -75.0
+    q, _, s = quantize_current(x)
+    rq, _, rs = quantize_current_reference(x)
+    assert torch.equal(s, rs) and s.item() == pytest.approx(75.0 / 448)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    x.view(-1)[x.numel() // 2] = float("nan")
+    assert quantize_current(x)[2].isnan()
+
+
 @pytest.mark.parametrize("mode", ["fp8_fwd", "fp8_full"])
 def test_mlp_delayed_input_scaling_at_record_shapes(mode):
     """x and g quantised with the previous call's amax (no amax pass): the same bounds as current
