@@ -505,12 +505,7 @@ def quantize_current(
     (C, R) or None, s 0-d fp32)``, bit-identical to :func:`quantize_current_reference`.
     """
     _check_one_matrix(x, fp8_dtype, "quantize_current")
-    if _abs_max_triton_ok(x):
-        scale = torch.empty((), dtype=torch.float32, device=x.device)
-        q, qt, _ = _quantize(x, scale, fp8_dtype, transposed=transposed, scale_from_amax=True,
-                             partials=abs_max_partials(x))
-        return q, (qt if transposed else None), scale
-    return _quantize_from_amax(x, abs_max(x), fp8_dtype, transposed)
+    return _quantize_from_amax(x, abs_max_partials(x) if _abs_max_triton_ok(x) else abs_max(x), fp8_dtype, transposed)
 
 
 def _check_one_matrix(x: torch.Tensor, fp8_dtype: torch.dtype, name: str) -> None:
@@ -521,13 +516,16 @@ def _check_one_matrix(x: torch.Tensor, fp8_dtype: torch.dtype, name: str) -> Non
 
 def _quantize_from_amax(x, amax, fp8_dtype, transposed):
     """Quantise one checked matrix with ``s = max(amax, 1e-12) / FMAX`` (``amax``: 0-d fp32, the
-    measured max |x|); the Triton kernel computes s itself.  Returns (q, qt or None, s)."""
+    measured max |x|, or on the Triton path 1-D :func:`abs_max_partials`); the Triton kernel
+    computes s itself.  Returns (q, qt or None, s)."""
     if not triton_usable(x):
         scale = current_scale(amax, FP8_MAX[fp8_dtype])
         q, qt, _ = quantize_dual_layout_reference(x, scale, fp8_dtype=fp8_dtype)
         return q, (qt if transposed else None), scale
     scale = torch.empty((), dtype=torch.float32, device=x.device)
-    q, qt, _ = _quantize(x, scale, fp8_dtype, transposed=transposed, amax=amax, scale_from_amax=True)
+    partials = amax if amax.dim() == 1 else None
+    q, qt, _ = _quantize(x, scale, fp8_dtype, transposed=transposed, amax=None if partials is not None else amax,
+                         scale_from_amax=True, partials=partials)
     return q, (qt if transposed else None), scale
 
 

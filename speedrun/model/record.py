@@ -883,12 +883,12 @@ class RecordGPT(nn.Module):
                 acc.lookup(self.value_embeds, (offsets[:, None] + inputs).reshape(-1))
                 .view(self.num_ve, T, self.value_embeds.shape[1]))
 
-    def embedding_grad_params(self) -> list[nn.Parameter]:
-        """The tables whose gradients :meth:`embedding_lookups` accumulates in place (none with
-        ``model.embedding_grad="autograd"``)."""
+    def embedding_grad_params(self) -> dict[str, nn.Parameter]:
+        """The tables whose gradients :meth:`embedding_lookups` accumulates in place, by name (none
+        with ``model.embedding_grad="autograd"``)."""
         if self._embedding_grads is None:
-            return []
-        return [self.embed, self.bigram_embed, self.value_embeds]
+            return {}
+        return {"embed": self.embed, "bigram_embed": self.bigram_embed, "value_embeds": self.value_embeds}
 
     def embedding_grad_state(self) -> dict[str, torch.Tensor]:
         """The tables' gradient sums since the last flush, by table name (references; {} when
@@ -896,8 +896,7 @@ class RecordGPT(nn.Module):
         acc = self._embedding_grads
         if acc is None or not acc.pending():
             return {}
-        names = ("embed", "bigram_embed", "value_embeds")
-        sums = {n: acc.pending_sum(p) for n, p in zip(names, self.embedding_grad_params())}
+        sums = {n: acc.pending_sum(p) for n, p in self.embedding_grad_params().items()}
         return {n: s for n, s in sums.items() if s is not None}
 
     def load_embedding_grad_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -908,7 +907,7 @@ class RecordGPT(nn.Module):
         if self._embedding_grads is None:
             raise ValueError("checkpoint holds pending embedding gradients, but this model runs "
                              "model.embedding_grad='autograd'")
-        tables = dict(zip(("embed", "bigram_embed", "value_embeds"), self.embedding_grad_params()))
+        tables = self.embedding_grad_params()
         for name, total in state.items():
             if name not in tables:
                 raise ValueError(f"checkpoint holds pending gradients of an unknown table {name!r}")
@@ -922,7 +921,7 @@ class RecordGPT(nn.Module):
     def flush_embedding_grads(self) -> None:
         """Hand the embedding tables' gradients accumulated since the last call to their ``.grad``
         (the training step calls this before each optimizer step that reads them: the record's
-        Adam steps; a checkpoint calls it too).  No-op with ``model.embedding_grad="autograd"``."""
+        Adam steps).  No-op with ``model.embedding_grad="autograd"``."""
         if self._embedding_grads is not None:
             self._embedding_grads.flush()
 

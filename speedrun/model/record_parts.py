@@ -159,26 +159,6 @@ def document_ids(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     return torch.searchsorted(cu_seqlens.long(), pos, right=True) - 1
 
 
-def _query_blocks(x: torch.Tensor, nb: int, B: int) -> torch.Tensor:
-    """(T, ...) -> (nb, B, ...): x in blocks of B rows, zero rows after the last (nb B >= T)."""
-    return torch.cat((x, x.new_zeros(nb * B - x.shape[0], *x.shape[1:]))).view(nb, B, *x.shape[1:])
-
-
-def _dc_key_mask(cu_seqlens: torch.Tensor, T: int, nb: int, B: int, W: int, *, front: int, K: int) -> torch.Tensor:
-    """(nb, B, K) bool: which of query block n's K key columns each query may attend to.
-
-    Column c of block n holds key position n B - front + c (the keys padded with ``front``
-    positions in front); a key counts when it lies in the query's window (0 <= query - key < W)
-    and in the query's document.  Padding positions belong to no document."""
-    dev = cu_seqlens.device
-    doc = document_ids(cu_seqlens, T)
-    doc_k = torch.cat((doc.new_full((front,), -1), doc, doc.new_full((nb * B - T,), -2))).unfold(0, K, B)  # (nb, K)
-    doc_q = torch.cat((doc, doc.new_full((nb * B - T,), -3))).view(nb, B)
-    rel = torch.arange(B, device=dev)[:, None] - torch.arange(K, device=dev)[None, :] + front  # query - key position
-    band = (rel >= 0) & (rel < W)  # (B, K)
-    return band[None] & (doc_q[:, :, None] == doc_k[:, None, :])
-
-
 def dc_postonly_correction(
     base: torch.Tensor,
     q: torch.Tensor,
@@ -204,7 +184,7 @@ def dc_postonly_correction(
         cu_seqlens: (N+1,) int document starts ending in T (padding repeats of T allowed).
         scale: softmax scale; window: keys per query including itself; block: query block size
             (memory knob only).
-    Returns (T, H, Dv) in base's dtype.  Math in float32.
+    Returns (T, H, Dv) in base's dtype.  Math in float32; memory about (1 + window/block) x (q, k, v).
     """
     T, H, Dqk = q.shape
     Dv = v.shape[-1]
@@ -232,10 +212,16 @@ def dc_postonly_correction(
         pad = torch.cat((x.new_zeros(W, *x.shape[1:]), x, x.new_zeros(Tp - T, *x.shape[1:])))
         return pad.unfold(0, K, B)
 
-    def queries(x: torch.Tensor) -> torch.Tensor:
-        return _query_blocks(x, nb, B)
+    def queries(x: torch.Tensor) -> torch.Tensor:  # (T, ...) -> (nb, B, ...)
+        return torch.cat((x, x.new_zeros(Tp - T, *x.shape[1:]))).view(nb, B, *x.shape[1:])
 
-    valid = _dc_key_mask(cu_seqlens.to(dev), T, nb, B, W, front=W, K=K)  # (nb, B, K)
+    doc = document_ids(cu_seqlens.to(dev), T)
+    doc_k = torch.cat((doc.new_full((W,), -1), doc, doc.new_full((Tp - T,), -2))).unfold(0, K, B)  # (nb, K)
+    doc_q = torch.cat((doc, doc.new_full((Tp - T,), -3))).view(nb, B)
+    rel = torch.arange(B, device=dev)[:, None] - torch.arange(K, device=dev)[None, :] + W  # query - key position
+    band = (rel >= 0) & (rel < W)  # (B, K)
+    valid = band[None] & (doc_q[:, :, None] == doc_k[:, None, :])  # (nb, B, K)
+
     qb = queries(q.to(f32))  # (nb, B, H, Dqk)
     kb = keys_band(k.to(f32))  # (nb, H, Dqk, K)
     vb = keys_band(v.to(f32))  # (nb, H, Dv, K)
