@@ -89,6 +89,11 @@ class ModelConfig:
     # tensor first) or "delayed" (the previous optimizer step's amax over all micro-batches and
     # ranks, with headroom, measured inside the quantise kernel: one read fewer per tensor).
     fp8_input_scaling: str = "current"
+    # Where the record MLP's current-scaled FP8 input is made (kernels fp8): "kernel" (an amax pass
+    # and a quantise kernel inside the MLP op) or "graph" (the same arithmetic as torch ops at the
+    # call site, so torch.compile fuses the amax into the RMS norm that produces the input, as
+    # upstream f411b3d does: one read of the input fewer per call).
+    mlp_input_quant: str = "kernel"
     # Gradient of the record network's embedding tables (embed, value and bigram embeddings):
     # "autograd" (a dense table-sized gradient per micro-batch, added into .grad), or the looked-up
     # rows' gradients added into an fp32 accumulator that the training step hands to .grad before
@@ -116,13 +121,17 @@ class ModelConfig:
             raise ConfigError(f"rope_fraction must lie in [0, 1], got {self.rope_fraction}")
         choices = {"kernels": ("reference", "triton", "fp8", "fp8_full"),
                    "qkv_path": ("reference", "fused", "fused_fp8"), "architecture": ("core", "record"),
-                   "fp8_input_scaling": ("current", "delayed"), "embedding_grad": ("autograd", "atomic")}
+                   "fp8_input_scaling": ("current", "delayed"), "mlp_input_quant": ("kernel", "graph"), "embedding_grad": ("autograd", "atomic")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}; known: {', '.join(allowed)}")
         if self.architecture == "core" and (self.kernels != "reference" or self.qkv_path != "reference"
                                             or self.embedding_grad != "autograd"):
             raise ConfigError("model.kernels, model.qkv_path and model.embedding_grad apply to architecture=record only")
+        if self.mlp_input_quant == "graph" and (self.kernels != "fp8" or self.fp8_input_scaling != "current"):
+            raise ConfigError("model.mlp_input_quant=graph quantises the MLP input of model.kernels=fp8 with "
+                              f"model.fp8_input_scaling=current; got kernels={self.kernels!r}, "
+                              f"fp8_input_scaling={self.fp8_input_scaling!r}")
         for name in ("vocab_size", "num_layers", "model_dim", "num_heads", "qk_head_dim", "v_head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")

@@ -11,7 +11,7 @@ from speedrun.model.interface import ForwardArgs
 from speedrun.model.record import RecordGPT
 
 
-def _pair(qkv_path, kernels="reference", dtype=torch.float32):
+def _pair(qkv_path, kernels="reference", dtype=torch.float32, **switches):
     base = dict(vocab_size=257, num_layers=6, model_dim=32, num_heads=2, qk_head_dim=12, v_head_dim=16,
                 architecture="record")
     torch.manual_seed(0)
@@ -19,7 +19,7 @@ def _pair(qkv_path, kernels="reference", dtype=torch.float32):
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    cand = RecordGPT(ModelConfig(**base, qkv_path=qkv_path, kernels=kernels))
+    cand = RecordGPT(ModelConfig(**base, qkv_path=qkv_path, kernels=kernels, **switches))
     cand.load_state_dict(ref.state_dict())
     return ref.to(dtype), cand.to(dtype)
 
@@ -73,6 +73,35 @@ def test_unknown_switch_values_are_clear_errors():
         ModelConfig(architecture="record", qkv_path="fast").validate()
     with pytest.raises(ConfigError, match="architecture=record only"):
         ModelConfig(kernels="fp8").validate()
+    for kernels, scaling in (("fp8_full", "current"), ("fp8", "delayed"), ("reference", "current")):
+        with pytest.raises(ConfigError, match="mlp_input_quant=graph"):
+            ModelConfig(architecture="record", kernels=kernels, fp8_input_scaling=scaling,
+                        mlp_input_quant="graph").validate()
+    with pytest.raises(ConfigError, match="mlp_input_quant"):
+        ModelConfig(architecture="record", kernels="fp8", mlp_input_quant="inductor").validate()
+
+
+def test_mlp_input_quantised_in_the_graph_equals_the_kernel_route(monkeypatch):
+    """model.mlp_input_quant=graph: the MLP's own input quantisation never runs, and the record
+    network's loss and gradients are the kernel route's, bit for bit (same scale, same bytes)."""
+    from speedrun.kernels.fp8_cache import InputScaling
+
+    calls = []
+    own = InputScaling.quantize_input
+    monkeypatch.setattr(InputScaling, "quantize_input", lambda self, t, which, **kw: calls.append(which) or own(self, t, which, **kw))
+    _, kernel = _pair("reference", "fp8")
+    _, graph = _pair("reference", "fp8", mlp_input_quant="graph")
+    batch = _batch()
+    results = []
+    for model in (kernel, graph):
+        calls.clear()
+        loss = model.loss(batch, ARGS)
+        loss.backward()
+        results.append((loss, _grads(model), list(calls)))
+    (lk, gk, ck), (lg, gg, cg) = results
+    assert ck == ["x"] * 6 and cg == []  # six MLP layers; graph: none through the MLP's own pass
+    assert torch.equal(lk, lg) and gk.keys() == gg.keys()
+    assert all(torch.equal(gk[n], gg[n]) for n in gk)
 
 
 def test_candidate_bank_shapes_at_full_size():

@@ -34,14 +34,15 @@ def _compiled(model):
     return model
 
 
-@pytest.mark.parametrize("qkv_path,kernels", [("reference", "reference"), ("reference", "fp8"),
-                                              ("fused_fp8", "fp8_full")])
-def test_compiled_record_network_equals_eager(qkv_path, kernels):
-    """Baseline (reference and the record's FP8 MLP) and candidate switches: loss, every gradient
-    and the no-grad evaluation forward equal the eager model's, over two steps (the second uses
-    the delayed FP8 scales the first measured)."""
+@pytest.mark.parametrize("qkv_path,kernels,switches", [
+    ("reference", "reference", {}), ("reference", "fp8", {}), ("reference", "fp8", {"mlp_input_quant": "graph"}),
+    ("fused_fp8", "fp8_full", {})])
+def test_compiled_record_network_equals_eager(qkv_path, kernels, switches):
+    """Baseline (reference, the record's FP8 MLP, its input quantised in the graph) and candidate
+    switches: loss, every gradient and the no-grad evaluation forward equal the eager model's,
+    over two steps (the second uses the delayed FP8 scales the first measured)."""
     torch._dynamo.reset()
-    _, eager = _pair(qkv_path, kernels)
+    _, eager = _pair(qkv_path, kernels, **switches)
     if qkv_path != "reference":  # the GPU's case: a backend that wants Q/K at V's width (varlen, FA3)
         eager._backends[torch.device("cpu")] = _equal_width_reference
     compiled = _compiled(copy.deepcopy(eager))

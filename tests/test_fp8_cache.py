@@ -21,6 +21,7 @@ from speedrun.kernels.fp8_cache import (
     StaleFP8CacheError,
     interpreting,
     quantize_current,
+    quantize_current_graph,
     quantize_current_reference,
     quantize_dual_layout,
     quantize_dual_layout_reference,
@@ -145,6 +146,52 @@ def test_quantize_current_nan_gives_nan_scale_and_bad_shapes_are_refused():
         quantize_current(torch.randn(2, 32, 64).bfloat16().to(DEV))
     with pytest.raises(ValueError, match="multiples of 16"):
         quantize_current(torch.randn(30, 64).bfloat16().to(DEV))
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("shape,spread", [((48, 80), 1.0), ((32, 64), 1e-14), ((16, 32), 0.0)])
+def test_quantize_current_graph_matches_the_reference_bits(fp8_dtype, transposed, shape, spread):
+    """The torch-ops route of current scaling (for torch.compile to fuse) against the reference:
+    same scale and bytes in eager, including the 1e-12 floor and saturation-free rounding."""
+    g = torch.Generator().manual_seed(hash((shape, spread, transposed, str(fp8_dtype))) % 2**31)
+    x = (torch.randn(*shape, generator=g) * spread * (1 + 40 * torch.rand(shape, generator=g))).bfloat16()
+    q, qt, s = quantize_current_graph(x, fp8_dtype=fp8_dtype, transposed=transposed)
+    rq, rqt, rs = quantize_current_reference(x, fp8_dtype=fp8_dtype, transposed=transposed)
+    assert s.dtype == torch.float32 and s.dim() == 0 and torch.equal(s, rs), (s, rs)
+    assert q.dtype == fp8_dtype and torch.equal(_bits(q), _bits(rq))
+    assert (qt is None) == (not transposed) and (qt is None or torch.equal(_bits(qt), _bits(rqt)))
+
+
+def test_quantize_current_graph_nan_and_bad_inputs():
+    x = torch.randn(32, 64).bfloat16()
+    x[3, 9] = float("nan")
+    assert quantize_current_graph(x)[2].isnan()
+    with pytest.raises(ValueError, match="one \\(R, C\\) matrix"):
+        quantize_current_graph(torch.randn(2, 32, 64).bfloat16())
+    with pytest.raises(ValueError, match="multiples of 16"):
+        quantize_current_graph(torch.randn(30, 64).bfloat16())
+    with pytest.raises(ValueError, match="row-major"):
+        quantize_current_graph(torch.randn(64, 32).bfloat16().t())
+
+
+def test_quantize_current_graph_compiled_after_a_norm_keeps_the_bits():
+    """What the record compiles (mlp_input_quant=graph): an RMS norm, then the quantisation, in one
+    Inductor graph.  The quantised bytes and scale equal the reference's on the compiled norm's
+    output (on the CPU Inductor divides exactly; the GPU test bounds the approximate division)."""
+    torch._dynamo.reset()
+
+    def norm_then_quantise(x):
+        h = torch.nn.functional.rms_norm(x, (x.shape[-1],)).bfloat16()
+        q, _, s = quantize_current_graph(h, transposed=False)
+        return h, q, s
+
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(64, 48, generator=g) * (1 + 5 * torch.rand(64, 1, generator=g))
+    h, q, s = torch.compile(norm_then_quantise, backend="inductor", fullgraph=True)(x)
+    rq, _, rs = quantize_current_reference(h, transposed=False)
+    assert torch.equal(s, rs) and torch.equal(_bits(q), _bits(rq))
+    assert (q.float() * s - h.float()).abs().max() <= h.float().abs().max() * 2**-4  # half an e4m3 step at most
 
 
 # ---------------------------------------------------------------------------------------------

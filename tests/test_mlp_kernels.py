@@ -481,3 +481,49 @@ def test_fused_mlp_hook_returns_the_banks_layout_without_a_copy(mode):
     ref = _reference(x, w1, w2, gy)
     bound = {"bf16": 1e-2, "fp8_fwd": 8e-2, "fp8_full": 0.12}[mode]  # as test_mlp_forward_backward_vs_reference
     assert rel(dw_proj.t(), ref[3]) < bound and rel(dx, ref[1]) < bound and y.shape == x.shape
+
+
+@needs_kernel
+def test_prequantised_input_gives_the_bits_of_the_mlps_own_quantisation():
+    """``x_fp8`` (the record's mlp_input_quant=graph): x quantised by the caller in torch ops gives
+    the same output and gradients, bit for bit, as the MLP's own amax pass and quantise kernel."""
+    from speedrun.kernels.fp8_cache import quantize_current_graph
+
+    x, w1, w2, gy = inputs(12)
+    outs = []
+    for pre in (False, True):
+        xl, w1l, w2l = (t.clone().requires_grad_() for t in (x, w1, w2))
+        x_fp8 = quantize_current_graph(x, transposed=False)[::2] if pre else None
+        y = relu2_mlp(xl, w1l, w2l, mode="fp8_fwd", scales=MLPScaleState.create(DEV), x_fp8=x_fp8)
+        y.backward(gy)
+        outs.append([y, xl.grad, w1l.grad, w2l.grad])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert rel(outs[1][0], _reference(x, w1, w2, gy)[0]) < 8e-2
+
+
+def test_prequantised_input_is_checked():
+    from speedrun.kernels.fp8_cache import quantize_current_graph
+
+    x, w1, w2, _ = inputs(13)
+    q, _, s = quantize_current_graph(x, transposed=False)
+    with pytest.raises(ValueError, match="needs mode='fp8_fwd'"):
+        relu2_mlp(x, w1, w2, mode="fp8_full", x_fp8=(q, s))
+    with pytest.raises(ValueError, match="contiguous e4m3"):
+        relu2_mlp(x, w1, w2, mode="fp8_fwd", x_fp8=(q[:32], s))
+    with pytest.raises(ValueError, match="contiguous e4m3"):
+        relu2_mlp(x, w1, w2, mode="fp8_fwd", x_fp8=(q.view(torch.float8_e5m2), s))
+    with pytest.raises(ValueError, match="0-d fp32"):
+        relu2_mlp(x, w1, w2, mode="fp8_fwd", x_fp8=(q, s.reshape(1)))
+
+
+def test_graph_input_quant_is_only_for_the_records_current_scaling():
+    from speedrun.errors import ConfigError
+    from speedrun.model.kernel_hooks import FusedMLP
+
+    FusedMLP("fp8_fwd", input_quant="graph")
+    for mode, scaling in (("fp8_full", "current"), ("fp8_fwd", "delayed"), ("bf16", "current")):
+        with pytest.raises(ConfigError, match="input_quant='graph' needs mode 'fp8_fwd'"):
+            FusedMLP(mode, input_scaling=scaling, input_quant="graph")
+    with pytest.raises(ConfigError, match="'kernel' or 'graph'"):
+        FusedMLP("fp8_fwd", input_quant="inductor")

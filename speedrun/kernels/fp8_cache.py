@@ -508,6 +508,26 @@ def quantize_current(
     return _quantize_from_amax(x, abs_max_partials(x) if _abs_max_triton_ok(x) else abs_max(x), fp8_dtype, transposed)
 
 
+def quantize_current_graph(
+    x: torch.Tensor, *, fp8_dtype: torch.dtype = E4M3, transposed: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`quantize_current` written as torch ops for ``torch.compile`` to fuse into the code
+    that produces ``x`` (same signature; in eager, the bits of :func:`quantize_current_reference`).
+
+    Compiled where ``x`` comes out of an RMS norm (the record MLP's input), Inductor folds
+    ``max|x|`` into the norm's reduction and the cast into one pointwise pass, so ``x`` is read
+    once after the norm instead of twice.  Inductor divides with ``div.full.f32`` (approximate, at
+    most 2 ulp) unless ``TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING=1``: compiled, the scale may sit
+    an ulp or two from the reference's, and the bytes quantised with it follow that scale.
+    """
+    _check_one_matrix(x, fp8_dtype, "quantize_current_graph")
+    fmax = FP8_MAX[fp8_dtype]
+    amax = x.abs().amax().float() if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
+    scale = current_scale(amax, fmax)
+    q = (x.float() * (1.0 / scale)).clamp(-fmax, fmax).to(fp8_dtype)
+    return q, (q.t().contiguous() if transposed else None), scale
+
+
 def _check_one_matrix(x: torch.Tensor, fp8_dtype: torch.dtype, name: str) -> None:
     _check_quant_args(x, _SCALAR_FP32, fp8_dtype, name)
     if x.dim() != 2:

@@ -26,7 +26,9 @@ tensor     dtype   policy
 =========  ======  ============================================================================
 x          e4m3    current (default): s = max|x| / 448 (one amax pass over (T, 768)); or delayed
                    (``MLPScaleState.input_scaling="delayed"``): s = amax(previous step) · 1.5 / 448,
-                   this call's amax measured by the quantise kernel, no extra pass
+                   this call's amax measured by the quantise kernel, no extra pass; or (fp8_fwd)
+                   quantised by the caller and passed in (``x_fp8``), current scaling in torch ops
+                   that torch.compile fuses into the norm producing x
 w1, w2     e4m3    from :class:`~speedrun.kernels.fp8_cache.FP8WeightCache` (delayed, per update),
                    or current scaling when no cache is passed (slow path for tests/eval)
 post       e4m3    delayed: s = amax(previous step) · 1.8 / 448 (record's headroom); the up
@@ -831,7 +833,7 @@ def _weights_fp8(w1, w2, cache):
 
 class _Relu2MLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, mode, c1, c2, state):
+    def forward(ctx, x, w1, w2, mode, c1, c2, state, x_fp8=None):
         ctx.mode = mode
         if mode == "bf16":
             post = relu2_gemm(x, w1).out
@@ -839,7 +841,10 @@ class _Relu2MLP(torch.autograd.Function):
             ctx.save_for_backward(x, w1, w2, post)
             return y
         full = mode == "fp8_full"
-        xq, xqt, x_scale = state.quantize_input(x, "x", transposed=full)
+        if x_fp8 is not None:  # quantised by the caller (fp8_fwd only: no transposed layout needed)
+            (xq, x_scale), xqt = x_fp8, None
+        else:
+            xq, xqt, x_scale = state.quantize_input(x, "x", transposed=full)
         if state.post_ready:
             post_scale = state.post_scale()
         else:  # before the first step end: this call's own amax (one extra GEMM)
@@ -868,7 +873,7 @@ class _Relu2MLP(torch.autograd.Function):
             # dW2 (D, H) as the transpose of a contiguous (H, D) product: the banks store w2 as
             # (H, D), whose gradient then needs no transposing copy (88 per step in the record)
             dw2 = (post.t() @ g).t()
-            return dx, dw1, dw2, None, None, None, None
+            return dx, dw1, dw2, None, None, None, None, None
         xqt, x_scale, pq, pqt, p_scale, w1t, w1s, w2t, w2s = ctx.saved_tensors
         state = ctx.state
         gq, gqt, g_scale = state.quantize_input(g, "g", transposed=True)
@@ -885,13 +890,27 @@ class _Relu2MLP(torch.autograd.Function):
         dx = scaled_mm(r.q, w1t.t(), d_scale, w1s, out_dtype=dtype)
         dw1 = scaled_mm(r.qt, xqt.t(), d_scale, x_scale, out_dtype=dtype)
         dw2 = scaled_mm(pqt, gqt.t(), p_scale, g_scale, out_dtype=dtype).t()  # (H, D) contiguous, as above
-        return dx, dw1, dw2, None, None, None, None
+        return dx, dw1, dw2, None, None, None, None, None
 
 
-def _mlp_inputs(x, w1, w2, mode, cache, scales):
+def _check_x_fp8(x2, mode, x_fp8):
+    if x_fp8 is None:
+        return
+    if mode != "fp8_fwd":
+        raise ValueError(f"relu2_mlp: a pre-quantised input (x_fp8) needs mode='fp8_fwd', got {mode!r}")
+    q, scale = x_fp8
+    if q.dtype != E4M3 or tuple(q.shape) != tuple(x2.shape) or not q.is_contiguous():
+        raise ValueError(f"relu2_mlp: x_fp8 must be a contiguous e4m3 {tuple(x2.shape)} tensor like the flattened x, "
+                         f"got {q.dtype} {tuple(q.shape)}")
+    if scale.dtype != torch.float32 or scale.dim() != 0:
+        raise ValueError(f"relu2_mlp: x_fp8's scale must be a 0-d fp32 tensor, got {scale.dtype} {tuple(scale.shape)}")
+
+
+def _mlp_inputs(x, w1, w2, mode, cache, scales, x_fp8=None):
     """Checked (T, D) contiguous x, the FP8 weights (None in bf16 mode) and the scale state."""
     x2 = x.reshape(-1, x.shape[-1])
     _check_mlp_args(x2, w1, w2, mode, cache)
+    _check_x_fp8(x2, mode, x_fp8)
     c1 = c2 = None
     if mode != "bf16":
         c1, c2 = _weights_fp8(w1, w2, cache)
@@ -900,13 +919,14 @@ def _mlp_inputs(x, w1, w2, mode, cache, scales):
     return x2.contiguous(), c1, c2, scales
 
 
-def relu2_mlp_forward(ctx, x, w1, w2, *, mode: str, cache=None, scales: "MLPScaleState | None" = None) -> torch.Tensor:
+def relu2_mlp_forward(ctx, x, w1, w2, *, mode: str, cache=None, scales: "MLPScaleState | None" = None,
+                      x_fp8=None) -> torch.Tensor:
     """The forward half of :func:`relu2_mlp` for callers that run forward and backward themselves
     (:mod:`speedrun.kernels.opaque`): same arguments, state for the backward kept on ``ctx`` (a
     :class:`~speedrun.kernels.opaque.KernelCtx`).  Returns y (..., D)."""
-    x2, c1, c2, scales = _mlp_inputs(x, w1, w2, mode, cache, scales)
+    x2, c1, c2, scales = _mlp_inputs(x, w1, w2, mode, cache, scales, x_fp8)
     ctx.x_shape = x.shape
-    y = _Relu2MLP.forward(ctx, x2, w1, w2, mode, c1, c2, scales)
+    y = _Relu2MLP.forward(ctx, x2, w1, w2, mode, c1, c2, scales, x_fp8)
     return y.reshape(*x.shape[:-1], w2.shape[0])
 
 
@@ -925,6 +945,7 @@ def relu2_mlp(
     mode: str = "bf16",
     cache: tuple[FP8Weight, FP8Weight] | None = None,
     scales: MLPScaleState | None = None,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``relu(x @ w1ᵀ)² @ w2ᵀ`` with gradients for x, w1, w2 (see the module docstring for modes).
 
@@ -938,7 +959,11 @@ def relu2_mlp(
             (H, D)).  None quantises both weights now with current scaling (two extra reads each).
         scales: the layer's :class:`MLPScaleState` (delayed post/dpre scales).  None uses a fresh
             one, i.e. calibrates on this call (one extra GEMM forward and one backward).
+        x_fp8: ``"fp8_fwd"`` only: ``(x_q (T, D) e4m3, scale 0-d fp32)``, x already quantised by the
+            caller (``real ~= x_q * scale``; e.g. :func:`~speedrun.kernels.fp8_cache.quantize_current_graph`
+            compiled into the code that makes x); the MLP then skips its own input quantisation.
+            x itself is still needed (the backward's dW1 reads it in bf16).
     """
-    x2, c1, c2, scales = _mlp_inputs(x, w1, w2, mode, cache, scales)
-    y = _Relu2MLP.apply(x2, w1, w2, mode, c1, c2, scales)
+    x2, c1, c2, scales = _mlp_inputs(x, w1, w2, mode, cache, scales, x_fp8)
+    y = _Relu2MLP.apply(x2, w1, w2, mode, c1, c2, scales, x_fp8)
     return y.reshape(*x.shape[:-1], w2.shape[0])

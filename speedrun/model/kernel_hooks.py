@@ -53,11 +53,21 @@ class FusedMLP:
     """``mlp_impl(x, w_fc (H, D), w_proj (H, D), layer)`` through :func:`speedrun.kernels.mlp.relu2_mlp`.
 
     Each layer's call is one opaque op (:mod:`speedrun.kernels.opaque`), so ``torch.compile`` keeps
-    the network in one graph around it; :meth:`prepare` registers the layers' ops before compiling."""
+    the network in one graph around it; :meth:`prepare` registers the layers' ops before compiling.
 
-    def __init__(self, mode: str, weights=None, input_scaling: str = "current"):
+    ``input_quant="graph"`` (``fp8_fwd`` with current scaling only): the call quantises x with
+    :func:`~speedrun.kernels.fp8_cache.quantize_current_graph` before the op, in the traced code,
+    and passes the e4m3 copy and its scale in; compiled, the amax joins the norm that made x."""
+
+    def __init__(self, mode: str, weights=None, input_scaling: str = "current", input_quant: str = "kernel"):
+        if input_quant not in ("kernel", "graph"):
+            raise ConfigError(f"FusedMLP: input_quant must be 'kernel' or 'graph', got {input_quant!r}")
+        if input_quant == "graph" and (mode != "fp8_fwd" or input_scaling != "current"):
+            raise ConfigError(f"FusedMLP: input_quant='graph' needs mode 'fp8_fwd' and current input scaling, "
+                              f"got mode {mode!r}, input_scaling {input_scaling!r}")
         self.mode = mode
         self.input_scaling = input_scaling  # MLPScaleState.input_scaling of every layer
+        self.input_quant = input_quant
         self.weights = weights  # layer -> cached (FP8Weight w1, FP8Weight w2) or None
         self.scales: dict[int, object] = {}
         self._handles: dict[int, int] = {}
@@ -102,7 +112,8 @@ class FusedMLP:
                 forward=lambda ctx, ts, key=key, layer=layer: self._forward(ctx, ts, key, layer),
                 backward=self._backward,
                 out_specs=lambda ts: [((*ts[0].shape[:-1], ts[2].shape[1]), ts[0].dtype)],
-                diff=(True, True, True),
+                # graph: x's e4m3 copy and its scale ride along, without gradients
+                diff=(True, True, True) + ((False, False) if self.input_quant == "graph" else ()),
             ))
         return self._handles[key]
 
@@ -110,7 +121,8 @@ class FusedMLP:
         from speedrun.kernels.fp8_cache import FP8Weight, quantize_current
         from speedrun.kernels.mlp import MLPScaleState, relu2_mlp_forward
 
-        x, w1, w_proj = tensors
+        x, w1, w_proj = tensors[:3]
+        x_fp8 = tuple(tensors[3:]) or None
         scales = cache = None
         if self.mode != "bf16":
             if key not in self.scales:
@@ -121,7 +133,7 @@ class FusedMLP:
                 # Both layouts of each weight from one quantisation; w_proj is stored (H, D), so its
                 # (D, H) view is the transposed entry.
                 cache = (FP8Weight(*quantize_current(w1.detach())), FP8Weight(*quantize_current(w_proj.detach())).t())
-        return [relu2_mlp_forward(ctx, x, w1, w_proj.t(), mode=self.mode, cache=cache, scales=scales)]
+        return [relu2_mlp_forward(ctx, x, w1, w_proj.t(), mode=self.mode, cache=cache, scales=scales, x_fp8=x_fp8)]
 
     @staticmethod
     def _backward(ctx, grads):
@@ -135,18 +147,26 @@ class FusedMLP:
 
         in_dtype = x.dtype
         dtype = torch.bfloat16 if in_dtype not in (torch.bfloat16, torch.float16) else in_dtype
-        y = opaque.call(self._handle(layer), [x.to(dtype), w_fc.to(dtype), w_proj.to(dtype)])[0]
+        inputs = [x.to(dtype), w_fc.to(dtype), w_proj.to(dtype)]
+        if self.input_quant == "graph":
+            from speedrun.kernels.fp8_cache import quantize_current_graph
+
+            xq, _, scale = quantize_current_graph(inputs[0].detach().reshape(-1, x.shape[-1]), transposed=False)
+            inputs += [xq, scale]
+        y = opaque.call(self._handle(layer), inputs)[0]
         return y.to(in_dtype)
 
 
-def install_kernels(model, mode: str, input_scaling: str = "current") -> None:
+def install_kernels(model, mode: str, input_scaling: str = "current", mlp_input_quant: str = "kernel") -> None:
     """Set ``model.ce_impl`` and ``model.mlp_impl`` for ``mode`` (see the module docstring);
-    ``input_scaling`` is the MLP's FP8 scaling of x and g (``ModelConfig.fp8_input_scaling``)."""
+    ``input_scaling`` is the MLP's FP8 scaling of x and g (``ModelConfig.fp8_input_scaling``),
+    ``mlp_input_quant`` where its x is quantised (``ModelConfig.mlp_input_quant``)."""
     if mode not in MODES:
         raise ConfigError(f"model.kernels={mode!r}; known: {', '.join(MODES)}")
     if mode == "reference":
         return
     model.ce_impl = FusedHead(use_fp8=mode != "triton", fp8_weight=getattr(model, "head_fp8_weight", None))
     model.mlp_impl = FusedMLP({"triton": "bf16", "fp8": "fp8_fwd", "fp8_full": "fp8_full"}[mode],
-                              weights=getattr(model, "mlp_fp8_weights", None), input_scaling=input_scaling)
+                              weights=getattr(model, "mlp_fp8_weights", None), input_scaling=input_scaling,
+                              input_quant=mlp_input_quant)
     model.mlp_impl.prepare(range(getattr(model, "num_layers", 0)))

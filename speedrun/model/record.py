@@ -323,7 +323,7 @@ class RecordGPT(nn.Module):
         if model_cfg.kernels != "reference":
             from speedrun.model.kernel_hooks import install_kernels
 
-            install_kernels(self, model_cfg.kernels, model_cfg.fp8_input_scaling)
+            install_kernels(self, model_cfg.kernels, model_cfg.fp8_input_scaling, model_cfg.mlp_input_quant)
         self._backends: dict[torch.device, object] = {}
         self._hidden_fn = None  # torch.compile'd hidden (compile_body), else the eager method
         self._kernel_handles: dict[tuple, int] = {}

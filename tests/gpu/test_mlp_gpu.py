@@ -5,6 +5,8 @@ Run on the H200: ``python -m pytest -q -m gpu tests/gpu/test_mlp_gpu.py``.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -306,6 +308,36 @@ def test_quantize_current_reduces_every_programs_partial_at_record_shape():
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
     x.view(-1)[x.numel() // 2] = float("nan")
     assert quantize_current(x)[2].isnan()
+
+
+def test_quantize_current_graph_fuses_into_the_norm_at_record_shape():
+    """model.mlp_input_quant=graph as Inductor compiles it on the GPU: the amax joins the RMS
+    norm's kernel (no separate pass over the normed tensor), and the bytes follow the reference's
+    on the compiled norm output.  Inductor divides approximately (div.full.f32): the scale may
+    differ from the reference's by an ulp or two, and bytes on a rounding boundary with it."""
+    from torch._inductor.utils import run_and_get_code
+
+    from speedrun.kernels.fp8_cache import quantize_current_graph, quantize_current_reference
+
+    torch._dynamo.reset()
+
+    def norm_then_quantise(x):
+        h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
+        q, _, s = quantize_current_graph(h, transposed=False)
+        return h, q, s
+
+    g = torch.Generator(device=DEV).manual_seed(17)
+    x = (torch.randn(49152, 768, device=DEV, generator=g) * (1 + 4 * torch.rand(49152, 1, device=DEV, generator=g))).bfloat16()
+    (h, q, s), code = run_and_get_code(torch.compile(norm_then_quantise, fullgraph=True), x)
+    rq, _, rs = quantize_current_reference(h, transposed=False)
+    assert abs(s.item() / rs.item() - 1) < 3e-7, (s.item(), rs.item())
+    same = (q.view(torch.uint8) == rq.view(torch.uint8)).float().mean().item()
+    assert same > 0.999, same
+    assert ((q.float() - rq.float()).abs() <= rq.float().abs() * 0.126 + 1e-30).all()  # one e4m3 step at most
+    kernels = re.findall(r"async_compile\.triton\('(\w+)', '''(.*?)'''", "\n".join(code), re.S)
+    assert kernels, "no Triton kernel found in Inductor's output:\n" + "\n".join(code)[:2000]
+    fused = [name for name, src in kernels if "rsqrt" in src and "abs" in src]
+    assert fused, f"amax not fused into the norm: {[name for name, _ in kernels]}"
 
 
 @pytest.mark.parametrize("mode", ["fp8_fwd", "fp8_full"])

@@ -50,6 +50,8 @@ def test_record_code_path_trains_on_gpu(tmp_path, switches):
      "train.optimizer_compile=true"],
     # the baseline as the record preset runs it: NorMuon's update compiled too
     ["model.kernels=fp8", "model.qkv_path=reference", "train.optimizer_compile=true"],
+    # the MLP input's amax and cast traced into the graph (model.mlp_input_quant=graph)
+    ["model.kernels=fp8", "model.qkv_path=reference", "model.mlp_input_quant=graph"],
 ])
 def test_record_code_path_compiles_whole_and_trains_on_gpu(tmp_path, switches):
     """Compiled (one graph per shape, fused kernels as opaque ops): trains, and the warmup compiled
