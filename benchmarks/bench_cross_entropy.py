@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated sigmoid routes the block-size sweep covers (exact, tanh)")
     p.add_argument("--sweep-persistent", action="store_true",
                    help="also sweep persistent grids (slower at every setting in the eighth and sixteenth sessions)")
+    p.add_argument("--sweep-transposed", action="store_true",
+                   help="time the CE kernel writing both gradient layouts (train.ce_grad_layout=dual) over "
+                        "rows per program x vocabulary chunk x warps, against the kernel then the transpose pass")
     p.add_argument("--ce-only", action="store_true", help="stop after the CE kernel's cases (no GEMMs, no head)")
     p.add_argument("--sm-clock-mhz", type=float, default=1980.0,
                    help="SM clock for the SFU floor (H200 boost: 1980)")
@@ -123,6 +126,43 @@ def main(argv: list[str] | None = None) -> int:
                bench(lambda: transpose_fp8(softcapped_ce_fwd_bwd(logits, targets, mtp, prefix, pw, sigmoid=sig,
                                                                  **e5m2)[1])),
                bytes_moved=n * v * 2 * 2 + n * v * 3, min_bytes=n * v * 4)
+
+    if args.sweep_transposed:
+        # Both e5m2 layouts from the kernel (min_bytes: two reads of the logits + two layouts written)
+        # against the kernel then the transpose pass, in alternating rounds; the first round also
+        # checks that the two routes give the same bytes.
+        from speedrun.kernels.cross_entropy import TRANSPOSED_BLOCK_M, TRANSPOSED_BLOCK_V
+
+        out_t = torch.empty(v, n, device=dev, dtype=torch.float8_e5m2)
+        configs = [(None, None, 4)] + [(m, bv, w) for m in (16, 32, 64) for bv in (64, 128, 256) for w in (4, 8)
+                                       if (m, bv, w) != (TRANSPOSED_BLOCK_M, TRANSPOSED_BLOCK_V, 4)]
+        for rnd in range(3):
+            record(f"transposed_baseline_tanh_r{rnd}",
+                   bench(lambda: transpose_fp8(softcapped_ce_fwd_bwd(logits, targets, mtp, prefix, pw, sigmoid="tanh",
+                                                                     **e5m2)[1])),
+                   bytes_moved=n * v * 2 * 2 + n * v * 3, min_bytes=n * v * 4)
+            for block_m, block_v, warps in configs:
+                fn = lambda: softcapped_ce_fwd_bwd(  # noqa: E731
+                    logits, targets, mtp, prefix, pw, sigmoid="tanh", dlogits_t_out=out_t, block_m=block_m,
+                    block_v=block_v, num_warps=warps, **e5m2)
+                label = (f"transposed_dual_m{block_m or TRANSPOSED_BLOCK_M}_v{block_v or TRANSPOSED_BLOCK_V}_w{warps}"
+                         f"{'_default' if block_m is None else ''}_r{rnd}")
+                try:
+                    ms = bench(fn)
+                except Exception as e:  # a config may not compile (registers, shared memory)
+                    print(f"{label}: failed {type(e).__name__}", flush=True)
+                    continue
+                if rnd == 0 and block_m is None:
+                    ref = transpose_fp8(softcapped_ce_fwd_bwd(  # the same tiling, so the same row sums
+                        logits, targets, mtp, prefix, pw, sigmoid="tanh", block_m=TRANSPOSED_BLOCK_M,
+                        block_v=TRANSPOSED_BLOCK_V, **{**e5m2, "dlogits_out": None})[1])
+                    fn()
+                    same = bool(torch.equal(out_t.view(torch.uint8), ref.view(torch.uint8)))
+                    print(f"transposed layout equals the transpose pass's: {same}", flush=True)
+                    results["transposed_bits_equal"] = {"value": same}
+                    del ref
+                record(label, ms, bytes_moved=n * v * 2 * 2 + n * v * 2, min_bytes=n * v * 4)
+        del out_t
 
     if args.sweep:
         for sig in args.sweep_sigmoid.split(","):

@@ -22,6 +22,8 @@ from speedrun.errors import ConfigError
 
 # train.ce_sigmoid's values; speedrun.kernels.cross_entropy takes them from here
 CE_SIGMOID_CHOICES = ("exact", "tanh")
+# train.ce_grad_layout's values (speedrun.kernels.cross_entropy.GRAD_LAYOUT)
+CE_GRAD_LAYOUT_CHOICES = ("transpose", "dual")
 
 
 @dataclass
@@ -228,6 +230,11 @@ class TrainConfig:
     # choice: -9.7 ms per stage-3 step on the H200; training loss and gradient only, the validation
     # loss stays exact; speedrun.kernels.cross_entropy.SIGMOID; process-wide)
     ce_sigmoid: str = "exact"  # one of CE_SIGMOID_CHOICES
+    # How the FP8 head's e5m2 logit gradient reaches the weight-gradient GEMM, which wants it
+    # transposed: "transpose" (a transpose pass in the backward, as upstream) or "dual" (the CE
+    # kernel writes both layouts: one read of N x V_pad bytes fewer per micro-batch;
+    # speedrun.kernels.cross_entropy.GRAD_LAYOUT; process-wide)
+    ce_grad_layout: str = "transpose"  # one of CE_GRAD_LAYOUT_CHOICES
     preflight: bool = False  # run `speedrun doctor` checks first and refuse a broken environment
     sample_tokens: int = 200
     sample_prompt: str = "The "

@@ -515,3 +515,113 @@ def test_hardware_tanh_only_on_nvidia_gpus_that_have_it(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(ce, "interpreting", lambda: True)
     assert not ce.hardware_tanh(cuda)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("grad_dtype,block_m,block_v", [(torch.float8_e5m2, 32, 128), (torch.float8_e5m2, 16, 64),
+                                                        (torch.bfloat16, 32, 128), (torch.float32, 64, 512)])
+def test_kernel_writes_the_transposed_gradient_with_the_same_bits(grad_dtype, block_m, block_v):
+    """``dlogits_t_out``: the kernel's second layout is the exact transpose of its first (the
+    e5m2 one made by integer arithmetic, as the GPU's dual-layout stores need), the first is what
+    the kernel writes without it, and the target columns' sparse rewrite reaches both."""
+    logits, targets, prefix = make_batch(seed=11)
+    w = random_weights(3, seed=11)
+    scale = 1.0 / ce.GRAD_UNIT_SCALE if grad_dtype == torch.float8_e5m2 else 3.0
+    kw = dict(vocab_size=VOCAB, grad_out_scale=scale, grad_dtype=grad_dtype, block_m=block_m, block_v=block_v)
+    ref_l, ref_d = softcapped_ce_fwd_bwd(logits, targets, w, prefix, 0.3, **kw)
+    dlogits = torch.full((N, V_PAD), float("nan")).to(grad_dtype)
+    dlogits_t = torch.full((V_PAD, N), float("nan")).to(grad_dtype)
+    losses, got = softcapped_ce_fwd_bwd(logits, targets, w, prefix, 0.3, dlogits_out=dlogits, dlogits_t_out=dlogits_t, **kw)
+    bits = (lambda t: t.view(torch.uint8)) if grad_dtype == torch.float8_e5m2 else (lambda t: t)
+    assert got is dlogits and torch.equal(losses, ref_l)
+    assert torch.equal(bits(dlogits), bits(ref_d))
+    assert torch.equal(bits(dlogits_t), bits(ref_d.t().contiguous()))
+    rows = torch.arange(N)[targets >= 0]
+    assert (dlogits_t[targets[rows], rows].float() < 0).all()  # the target columns: p - 1 < 0
+
+
+def test_transposed_gradient_output_is_checked():
+    logits, targets, _ = make_batch()
+    for fn in (softcapped_ce_fwd_bwd_reference,) + ((softcapped_ce_fwd_bwd,) if ce.interpreting() else ()):
+        for bad in (torch.empty(N, V_PAD, dtype=torch.float8_e5m2), torch.empty(V_PAD, N, dtype=torch.bfloat16),
+                    torch.empty(N, V_PAD, dtype=torch.float8_e5m2).t()):
+            with pytest.raises(ValueError, match="dlogits_t_out must be a contiguous"):
+                fn(logits, targets, vocab_size=VOCAB, grad_dtype=torch.float8_e5m2, dlogits_t_out=bad)
+    ref_l, ref_d = softcapped_ce_fwd_bwd_reference(logits, targets, vocab_size=VOCAB)
+    out_t = torch.empty(V_PAD, N, dtype=logits.dtype)
+    softcapped_ce_fwd_bwd_reference(logits, targets, vocab_size=VOCAB, dlogits_t_out=out_t)
+    assert torch.equal(out_t, ref_d.t())
+
+
+@needs_interpreter
+def test_dual_gradient_layout_gives_the_heads_gradients_bit_for_bit(monkeypatch):
+    """train.ce_grad_layout=dual: the FP8 head takes dW's operand from the kernel's second layout
+    (no transpose pass) and returns the same loss and gradients as the transpose route."""
+    from speedrun.config import preset
+    from speedrun.errors import ConfigError
+    from speedrun.train.loop import configure_kernel_launch
+
+    calls = []
+    real = ce.transpose_fp8
+    monkeypatch.setattr(ce, "transpose_fp8", lambda t: calls.append(t.shape) or real(t))
+    args = make_head(seed=7)
+    monkeypatch.setattr(ce, "GRAD_LAYOUT", "transpose")
+    base = run_head(fused_softcapped_ce, *args, use_fp8=True)
+    assert len(calls) == 1
+    cfg = preset("tiny")
+    cfg.train.ce_grad_layout = "dual"
+    configure_kernel_launch(cfg)
+    assert ce.GRAD_LAYOUT == "dual"
+    dual = run_head(fused_softcapped_ce, *args, use_fp8=True)
+    assert len(calls) == 1  # no transpose pass this time
+    for a, b in zip(base, dual):
+        assert torch.equal(a, b)
+    cfg.train.ce_grad_layout = "both"
+    with pytest.raises(ConfigError, match="train.ce_grad_layout must be one of transpose, dual"):
+        configure_kernel_launch(cfg)
+
+
+_SM90_COMPILE = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from speedrun.kernels import cross_entropy as m
+from speedrun.kernels.fp8_cache import grid_constants
+import torch
+fn = m._ce_fwd_bwd_kernel
+ptrs = dict(logits_ptr="*bf16", dlogits_ptr="*u8", dlogits_t_ptr="*u8", losses_ptr="*fp32", targets_ptr="*i64",
+            mtp_w_ptr="*fp32", prefix_ptr="*i64", prefix_w_ptr="*fp32")
+floats = ("cap_a", "k1", "k2", "a_over_c", "grad_mult")
+consts = dict(N_PREDICT=3, HAS_PREFIX=True, SOFTCAP=True, GRAD_FP8=True, SOFT_ROUND=False, SOFT_ROUND_BF16=False,
+              SIGMOID_TANH=True, TANH_ASM=True, STORE_T=True, FP8_BITS=True, BLOCK_M=m.TRANSPOSED_BLOCK_M,
+              BLOCK_V=m.TRANSPOSED_BLOCK_V, **grid_constants(torch.float8_e5m2))
+sig = {a: ptrs.get(a, "fp32" if a in floats else "i32") for a in fn.arg_names if a not in consts}
+# record shapes: pointers, strides, row and column counts multiples of 16 (not the real vocabulary)
+attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig
+         if a in ptrs or a in ("stride_logits", "stride_dlogits", "stride_dlogits_t", "n_rows", "n_cols")}
+k = triton.compile(ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}},
+                             constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()}, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+ttgir = k.asm["ttgir"]
+print(json.dumps(dict(fp8_casts=ttgir.count("f8E5M2"), stores=ttgir.count("tt.store"))))
+"""
+
+
+def test_sm90_build_of_the_dual_layout_kernel_has_no_fp8_cast():
+    """The CE kernel with both gradient layouts builds for sm90 here (no GPU needed), and its e5m2
+    bytes come from integer arithmetic: no FP8 conversion in the compiled kernel, the cvt path
+    that corrupts FP8 tiles stored in two layouts on sm90 (triton-lang/triton#11111)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    import triton
+
+    if not shutil.which("ptxas", path=os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")):
+        pytest.skip("Triton's bundled ptxas is missing")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert info["fp8_casts"] == 0 and info["stores"] >= 5, info  # losses, 2 dense, 2 sparse (per target)

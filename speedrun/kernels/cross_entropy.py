@@ -44,7 +44,10 @@ W to e4m3 for the forward GEMM; the CE kernel writes ``dlogits / g_s`` as e5m2 w
 e4m3 x e5m2.  Unlike the record, backward honours ``grad_output`` (a per-row factor, applied to
 ``dX`` rows and folded into the dW operand ``x`` at O(N*D) cost) instead of baking
 ``grad_scale`` in at forward time; the e5m2 bytes are the same as the record's because its
-``grad_scale`` cancels between ``dlogits`` and ``grad_s = grad_scale * 0.75/448``.
+``grad_scale`` cancels between ``dlogits`` and ``grad_s = grad_scale * 0.75/448``.  cuBLAS wants
+the dW GEMM's e5m2 operand K-major, i.e. ``dlogits`` transposed: ``GRAD_LAYOUT="transpose"``
+transposes it in the backward (as the record does), ``"dual"`` has the CE kernel store both
+layouts (``dlogits_t_out``), saving that pass's read.
 
 Other deliberate differences from the record's CUDA kernel (f411b3d ``ce_fwd_bwd_kernel``): the
 softmax excludes padded columns (the record normalises over all 50304); the softmax-gradient
@@ -69,9 +72,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from speedrun.config import CE_SIGMOID_CHOICES
+from speedrun.config import CE_GRAD_LAYOUT_CHOICES, CE_SIGMOID_CHOICES
 from speedrun.errors import DataError
-from speedrun.kernels.fp8_cache import cdiv, interpreting, next_pow2, quantize_rows_scaled_t, quantize_static
+from speedrun.kernels.fp8_cache import (
+    _fp8_bits,
+    cdiv,
+    grid_constants,
+    interpreting,
+    next_pow2,
+    quantize_rows_scaled_t,
+    quantize_static,
+)
 from speedrun.kernels.fp8_ops import cuda_capability, quantize_tensorwise, scaled_mm, to_scale_tensor
 from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
@@ -104,6 +115,11 @@ GRAD_UNIT_SCALE = 0.75 / 448.0  # real value of one e5m2 unit of dlogits (record
 # loss is always exact.  train.ce_sigmoid sets it per run.
 SIGMOID = "exact"
 SIGMOID_CHOICES = CE_SIGMOID_CHOICES
+# Layouts of the FP8 head's e5m2 logit gradient: "transpose" (the CE kernel writes it row-major
+# for dx; the backward transposes it for dW, a read and a write of N x V_pad bytes, as upstream)
+# or "dual" (the CE kernel writes both layouts; no transpose pass).  train.ce_grad_layout sets it.
+GRAD_LAYOUT = "transpose"
+GRAD_LAYOUT_CHOICES = CE_GRAD_LAYOUT_CHOICES
 _LOG2E = 1.4426950408889634
 
 # The Triton 3.6 interpreter's fp32 -> e5m2 cast gets the exponent wrong when rounding carries into
@@ -302,6 +318,7 @@ def softcapped_ce_fwd_bwd_reference(
     grad_dtype: torch.dtype | None = None,
     losses_out: torch.Tensor | None = None,
     dlogits_out: torch.Tensor | None = None,
+    dlogits_t_out: torch.Tensor | None = None,
     check_targets: bool | None = None,
     block_v: int | None = None,
     block_m: int | None = None,
@@ -313,13 +330,14 @@ def softcapped_ce_fwd_bwd_reference(
 
     Returns ``(losses, dlogits)``: losses (N,) fp32; dlogits (N, V_pad) in ``grad_dtype`` (default
     ``logits.dtype``; ``torch.float8_e5m2`` saturates at +-57344) equal to
-    ``grad_out_scale * d(sum_t loss_t)/d logits``, zero in padded columns.  ``block_v``,
-    ``block_m``, ``num_warps`` and ``max_programs`` (tuning knobs of the kernel) and ``sigmoid``
-    (always exact here) are ignored.
+    ``grad_out_scale * d(sum_t loss_t)/d logits``, zero in padded columns; ``dlogits_t_out``
+    (V_pad, N), when given, receives its transpose.  ``block_v``, ``block_m``, ``num_warps`` and
+    ``max_programs`` (tuning knobs of the kernel) and ``sigmoid`` (always exact here) are ignored.
     """
     vocab_size = _check_logits(logits, vocab_size)
     _check_targets(logits.shape[0], targets, prefix_targets, vocab_size, check_targets)
     grad_dtype = logits.dtype if grad_dtype is None else grad_dtype
+    _check_transposed_out(dlogits_t_out, logits.shape, grad_dtype)
     with torch.enable_grad():
         z = logits.detach().float().requires_grad_(True)
         loss = softcapped_multitoken_ce_reference(
@@ -330,7 +348,19 @@ def softcapped_ce_fwd_bwd_reference(
     losses = loss.detach()
     if losses_out is not None:
         losses = losses_out.copy_(losses)
-    return losses, _store_grad(g, grad_dtype, dlogits_out)
+    dlogits = _store_grad(g, grad_dtype, dlogits_out)
+    if dlogits_t_out is not None:
+        dlogits_t_out.copy_(dlogits.t())
+    return losses, dlogits
+
+
+def _check_transposed_out(dlogits_t_out: torch.Tensor | None, shape, grad_dtype: torch.dtype) -> None:
+    if dlogits_t_out is None:
+        return
+    n, v_pad = shape
+    if tuple(dlogits_t_out.shape) != (v_pad, n) or dlogits_t_out.dtype != grad_dtype or not dlogits_t_out.is_contiguous():
+        raise ValueError(f"dlogits_t_out must be a contiguous {grad_dtype} tensor of shape ({v_pad}, {n}) (the "
+                         f"transposed logits gradient), got {dlogits_t_out.dtype} {tuple(dlogits_t_out.shape)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -393,6 +423,22 @@ def _grad_cast(g, dlogits_ptr, GRAD_FP8: tl.constexpr, SOFT_ROUND: tl.constexpr,
 
 
 @triton.jit
+def _grad_out(g, dlogits_ptr, GRAD_FP8: tl.constexpr, SOFT_ROUND: tl.constexpr, SOFT_ROUND_BF16: tl.constexpr,
+              FP8_BITS: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, SUB_C: tl.constexpr,
+              MIN_NORMAL: tl.constexpr):
+    """The stored value of fp32 ``g``: :func:`_grad_cast`, or with ``FP8_BITS`` (an e5m2 gradient
+    stored in both layouts) the same e5m2 code as a uint8 made by integer arithmetic
+    (:func:`~speedrun.kernels.fp8_cache._fp8_bits`: the cvt path corrupts FP8 tiles stored both
+    row-major and transposed on sm90 with Triton 3.6's ptxas, triton-lang/triton#11111)."""
+    # one return statement: Triton type-checks every return, even under a constexpr branch
+    if FP8_BITS:
+        out = _fp8_bits(tl.minimum(tl.maximum(g, -57344.0), 57344.0), MANT, EMIN, SUB_C, MIN_NORMAL)
+    else:
+        out = _grad_cast(g, dlogits_ptr, GRAD_FP8, SOFT_ROUND, SOFT_ROUND_BF16)
+    return out
+
+
+@triton.jit
 def _target_term(logits_ptr, rows, stride_logits, row_ok, t, w, lse, vocab_size, cap_a, k1, k2,
                  SOFTCAP: tl.constexpr, SIGMOID_TANH: tl.constexpr, TANH_ASM: tl.constexpr):
     """One loss term per row for target ids ``t`` (-1: none) of weight ``w``: its contribution to
@@ -412,6 +458,8 @@ def _ce_fwd_bwd_kernel(
     stride_logits,
     dlogits_ptr,
     stride_dlogits,
+    dlogits_t_ptr,
+    stride_dlogits_t,
     losses_ptr,
     targets_ptr,
     n_rows,
@@ -435,12 +483,19 @@ def _ce_fwd_bwd_kernel(
     SOFT_ROUND_BF16: tl.constexpr,
     SIGMOID_TANH: tl.constexpr,
     TANH_ASM: tl.constexpr,
+    STORE_T: tl.constexpr,
+    FP8_BITS: tl.constexpr,
+    MANT: tl.constexpr,
+    EMIN: tl.constexpr,
+    SUB_C: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     # Each program owns BLOCK_M whole rows at a time.  Pass 1 reads them for the log-sum-exp, pass 2
     # reads them again and writes dlogits densely (softmax part only); a third step rewrites the
-    # few target columns.  At the record's vocab a row is 100 KB: with one program per row block
+    # few target columns.  STORE_T: every store also goes to dlogits_t (V_pad, N), the layout the
+    # weight-gradient GEMM reads, so no transpose pass follows.  At the record's vocab a row is 100 KB: with one program per row block
     # thousands of rows are in flight, pass 2 misses L2, and Nsight Compute measured 2.0x the
     # logits' bytes read (seventh device session); ``max_programs`` bounds the rows in flight.
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -538,8 +593,11 @@ def _ce_fwd_bwd_kernel(
             else:
                 g = tl.exp2(z * LOG2E - lse_log2e[:, None]) * coef[:, None]
             g = tl.where(real[None, :], g, 0.0)
-            out = _grad_cast(g, dlogits_ptr, GRAD_FP8, SOFT_ROUND, SOFT_ROUND_BF16)
+            out = _grad_out(g, dlogits_ptr, GRAD_FP8, SOFT_ROUND, SOFT_ROUND_BF16, FP8_BITS, MANT, EMIN, SUB_C, MIN_NORMAL)
             tl.store(grad_rows + cols[None, :], out, mask=row_ok[:, None] & in_row[None, :])
+            if STORE_T:
+                tl.store(dlogits_t_ptr + cols[None, :].to(tl.int64) * stride_dlogits_t + rows[:, None], out,
+                         mask=row_ok[:, None] & in_row[None, :])
             start += BLOCK_V
 
         # Sparse correction: rewrite each target column with its full value.  A column hit by several
@@ -565,8 +623,10 @@ def _ce_fwd_bwd_kernel(
                 g = (weight_sum * p - hit) * (u - u * u) * (a_over_c * grad_mult)
             else:
                 g = (weight_sum * tl.exp2(z * LOG2E - lse_log2e) - hit) * grad_mult
-            out = _grad_cast(g, dlogits_ptr, GRAD_FP8, SOFT_ROUND, SOFT_ROUND_BF16)
+            out = _grad_out(g, dlogits_ptr, GRAD_FP8, SOFT_ROUND, SOFT_ROUND_BF16, FP8_BITS, MANT, EMIN, SUB_C, MIN_NORMAL)
             tl.store(dlogits_ptr + rows * stride_dlogits + col, out, mask=ok)
+            if STORE_T:
+                tl.store(dlogits_t_ptr + col * stride_dlogits_t + rows, out, mask=ok)
         row_block += tl.num_programs(0)
 
 
@@ -613,6 +673,13 @@ def hardware_tanh(device: torch.device) -> bool:
     return cuda_capability(device) >= (7, 5)
 
 
+# Rows per program and vocabulary chunk when the kernel also writes the transposed gradient: each
+# vocabulary row of a tile gets BLOCK_M consecutive bytes (e5m2), so 32 rows fill a 32-byte
+# sector.  Not tuned on a GPU yet (benchmarks/bench_cross_entropy.py --sweep-transposed).
+TRANSPOSED_BLOCK_M = 32
+TRANSPOSED_BLOCK_V = 128
+
+
 def _default_block_v(n_cols: int) -> int:
     # H200, N=49152, V=50304, e5m2 out (benchmarks/bench_cross_entropy.py --sweep): 1024 columns
     # x 4 warps and 512 x 2 warps ran 4.2 ms; 4096 x 8 warps 5.3 ms; 2 rows per program no better.
@@ -632,6 +699,7 @@ def softcapped_ce_fwd_bwd(
     grad_dtype: torch.dtype | None = None,
     losses_out: torch.Tensor | None = None,
     dlogits_out: torch.Tensor | None = None,
+    dlogits_t_out: torch.Tensor | None = None,
     check_targets: bool | None = None,
     block_v: int | None = None,
     block_m: int | None = None,
@@ -646,6 +714,10 @@ def softcapped_ce_fwd_bwd(
     ``grad_dtype`` (default ``logits.dtype``; ``torch.float8_e5m2`` for the FP8 head, saturating at
     +-57344) holding ``grad_out_scale * d(sum_t loss_t)/d logits`` -- zero in padded columns.
     ``losses_out`` / ``dlogits_out`` are optional preallocated outputs (contiguous).
+    ``dlogits_t_out``: (V_pad, N) contiguous in ``grad_dtype``; when given, the kernel writes the
+    gradient's transpose there too (same bits), the layout the head's weight-gradient GEMM reads,
+    instead of a separate transpose pass reading dlogits back.  Its stores are coalesced when a
+    program owns many rows: ``block_m`` then defaults to ``TRANSPOSED_BLOCK_M``.
     ``check_targets``: verify id ranges on the host (None: only for CPU tensors, where it is free).
     ``block_v``: vocabulary chunk per loop step (power of two), default min(1024, V_pad);
     ``block_m``: rows per program (power of two), default 1 (64 under the interpreter);
@@ -685,15 +757,21 @@ def softcapped_ce_fwd_bwd(
         dlogits_out = torch.empty((n, v_pad), dtype=grad_dtype, device=device)
     elif dlogits_out.shape != (n, v_pad) or dlogits_out.dtype != grad_dtype or dlogits_out.stride(1) != 1:
         raise ValueError(f"dlogits_out must be {grad_dtype} of shape ({n}, {v_pad}) with unit column stride")
+    _check_transposed_out(dlogits_t_out, (n, v_pad), grad_dtype)
+    if dlogits_t_out is not None and dlogits_out.stride(0) != v_pad:
+        raise ValueError("dlogits_out must be contiguous when dlogits_t_out is given")
     if n == 0:
         return losses_out, dlogits_out
 
-    block_v = _default_block_v(v_pad) if block_v is None else int(block_v)
+    store_t = dlogits_t_out is not None
+    if block_v is None:
+        block_v = _default_block_v(v_pad) if not store_t or interpreting() else min(TRANSPOSED_BLOCK_V, _default_block_v(v_pad))
+    block_v = int(block_v)
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
     if block_m is None:
         # The interpreter pays per operation, not per element: whole-batch tiles keep tests fast.
-        block_m = min(64, next_pow2(n)) if interpreting() else 1
+        block_m = min(64, next_pow2(n)) if interpreting() else (TRANSPOSED_BLOCK_M if store_t else 1)
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 1, got {block_m}")
     if max_programs is not None and max_programs < 1:
@@ -703,12 +781,20 @@ def softcapped_ce_fwd_bwd(
     a, b, c = softcap if softcap is not None else (1.0, 0.0, 1.0)
     if softcap is not None and a > 64:
         raise ValueError(f"softcap A={a} is too large for the kernel's fixed softmax offset (A <= 64)")
-    with launch_note("_ce_fwd_bwd_kernel", reads=(logits, targets, prefix_targets), writes=(dlogits_out, losses_out)):
+    # Both layouts of an e5m2 gradient go out as integer-made bytes through uint8 views (_grad_out).
+    fp8_bits = store_t and grad_dtype == torch.float8_e5m2
+    grad_arg = dlogits_out.view(torch.uint8) if fp8_bits else dlogits_out
+    grad_t_arg = (dlogits_t_out.view(torch.uint8) if fp8_bits else dlogits_t_out) if store_t else grad_arg
+    consts = grid_constants(torch.float8_e5m2)
+    with launch_note("_ce_fwd_bwd_kernel", reads=(logits, targets, prefix_targets),
+                     writes=(dlogits_out, dlogits_t_out, losses_out)):
         launch(_ce_fwd_bwd_kernel, (programs,),
             logits,
             logits.stride(0),
-            dlogits_out,
+            grad_arg,
             dlogits_out.stride(0),
+            grad_t_arg,
+            n,
             losses_out,
             targets,
             n,
@@ -732,6 +818,12 @@ def softcapped_ce_fwd_bwd(
             SOFT_ROUND_BF16=interpreting() and grad_dtype == torch.bfloat16,
             SIGMOID_TANH=sigmoid == "tanh",
             TANH_ASM=sigmoid == "tanh" and hardware_tanh(device),
+            STORE_T=store_t,
+            FP8_BITS=fp8_bits,
+            MANT=consts["MANT"],
+            EMIN=consts["EMIN"],
+            SUB_C=consts["SUB_C"],
+            MIN_NORMAL=consts["MIN_NORMAL"],
             BLOCK_M=block_m,
             BLOCK_V=block_v,
             num_warps=num_warps,
@@ -862,18 +954,23 @@ class FusedSoftcappedCE(torch.autograd.Function):
             w_f8 = fp8_weight.data  # (D, V) row-major
             # FP8 tensor cores want B column-major: the cached transposed copy.
             logits = scaled_mm(x_f8, fp8_weight.data_cm, x_scale, w_scale, torch.bfloat16, use_fast_accum=True)
+            # GRAD_LAYOUT "dual": the CE kernel also writes the transposed gradient that the weight
+            # GEMM reads (else the backward transposes dlogits: one more read of it)
+            dlogits_t = (torch.empty(logits.shape[::-1], dtype=torch.float8_e5m2, device=logits.device)
+                         if GRAD_LAYOUT == "dual" else None)
             losses, dlogits = ce(
                 logits, targets, mtp_weights, prefix_targets, prefix_weight, softcap=softcap,
                 vocab_size=vocab_size, grad_out_scale=1.0 / grad_unit_scale, grad_dtype=torch.float8_e5m2,
+                dlogits_t_out=dlogits_t,
             )
-            ctx.save_for_backward(x, w_f8, dlogits)
+            ctx.save_for_backward(x, w_f8, dlogits, dlogits_t)
         else:
             logits = x @ weight
             losses, dlogits = ce(
                 logits, targets, mtp_weights, prefix_targets, prefix_weight, softcap=softcap,
                 vocab_size=vocab_size, grad_out_scale=1.0, grad_dtype=x.dtype,
             )
-            ctx.save_for_backward(x, weight, dlogits)
+            ctx.save_for_backward(x, weight, dlogits, None)
         del logits
         ctx.use_fp8 = use_fp8
         ctx.scales = (x_scale, w_scale, grad_unit_scale)
@@ -882,7 +979,7 @@ class FusedSoftcappedCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_losses):
-        x, w_saved, dlogits = ctx.saved_tensors
+        x, w_saved, dlogits, dlogits_t = ctx.saved_tensors
         x_scale, w_scale, g_unit = ctx.scales
         go = grad_losses.float().reshape(-1, 1)
         dx = dw = None
@@ -897,7 +994,8 @@ class FusedSoftcappedCE(torch.autograd.Function):
                 amax = go.abs().amax().clamp_min(1e-30)
                 xg_scale = amax * x_scale
                 xg_t = _quantize_rows_scaled_x_t(x, go, xg_scale)
-                d_col = transpose_fp8(dlogits).t()  # K-major for cuBLAS, as upstream does
+                # K-major for cuBLAS: the kernel's transposed copy, or a transpose now (as upstream)
+                d_col = (dlogits_t if dlogits_t is not None else transpose_fp8(dlogits)).t()
                 dw = scaled_mm(xg_t, d_col, xg_scale, g_unit, ctx.weight_dtype, use_fast_accum=False)
         else:
             if ctx.needs_input_grad[0]:

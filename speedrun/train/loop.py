@@ -22,7 +22,7 @@ import torch
 
 from speedrun import distributed
 from speedrun.compiling import allow_schedule_variants
-from speedrun.config import CE_SIGMOID_CHOICES, RunConfig, Stage
+from speedrun.config import CE_GRAD_LAYOUT_CHOICES, CE_SIGMOID_CHOICES, RunConfig, Stage
 from speedrun.errors import ConfigError, DataError
 from speedrun.model import build_model
 from speedrun.model.interface import ForwardArgs
@@ -224,8 +224,9 @@ MLP_GEMM_CHOICES = ("auto", "fused", "tma", "split")
 
 def configure_kernel_launch(cfg: RunConfig) -> None:
     """Apply the process-wide kernel routing: ``train.triton_launch`` (how our Triton kernels are
-    launched), ``train.mlp_gemm`` (the ReLU² GEMMs' route) and ``train.ce_sigmoid`` (how the CE
-    kernel evaluates the softcap's sigmoid).  Arms of one benchmark process re-apply it before each step."""
+    launched), ``train.mlp_gemm`` (the ReLU² GEMMs' route), ``train.ce_sigmoid`` (how the CE
+    kernel evaluates the softcap's sigmoid) and ``train.ce_grad_layout`` (whether the CE kernel
+    writes the transposed logit gradient too).  Arms of one benchmark process re-apply it before each step."""
     import sys
 
     from speedrun.kernels import launch
@@ -238,11 +239,16 @@ def configure_kernel_launch(cfg: RunConfig) -> None:
     if cfg.train.ce_sigmoid not in CE_SIGMOID_CHOICES:
         raise ConfigError(f"train.ce_sigmoid must be one of {', '.join(CE_SIGMOID_CHOICES)}, "
                           f"got {cfg.train.ce_sigmoid!r}")
+    if cfg.train.ce_grad_layout not in CE_GRAD_LAYOUT_CHOICES:
+        raise ConfigError(f"train.ce_grad_layout must be one of {', '.join(CE_GRAD_LAYOUT_CHOICES)}, "
+                          f"got {cfg.train.ce_grad_layout!r}")
     launch.set_enabled(cfg.train.triton_launch == "cached")
-    if cfg.train.ce_sigmoid != "exact" or "speedrun.kernels.cross_entropy" in sys.modules:
+    if (cfg.train.ce_sigmoid != "exact" or cfg.train.ce_grad_layout != "transpose"
+            or "speedrun.kernels.cross_entropy" in sys.modules):
         from speedrun.kernels import cross_entropy
 
         cross_entropy.SIGMOID = cfg.train.ce_sigmoid
+        cross_entropy.GRAD_LAYOUT = cfg.train.ce_grad_layout
     # Not imported yet means nothing changed its default: no import (it needs Triton) for "auto".
     if cfg.train.mlp_gemm != "auto" or "speedrun.kernels.mlp" in sys.modules:
         from speedrun.kernels import mlp

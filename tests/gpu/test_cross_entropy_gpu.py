@@ -230,3 +230,38 @@ def test_head_quantisation_kernels_bitwise_at_record_shapes(n):
     xg_scale = go.abs().amax() * s
     qt = quantize_rows_scaled_t(x, go, xg_scale)
     assert torch.equal(qt.view(torch.uint8), quantize_rows_scaled_t_reference(x, go, xg_scale).view(torch.uint8))
+
+
+@pytest.mark.parametrize("n", [49152, 4010])  # the record's stage-3 micro-batch; a ragged last row block
+def test_kernel_writes_both_gradient_layouts_at_record_shape(n):
+    """train.ce_grad_layout=dual on sm90: the e5m2 bytes of both layouts, made by integer arithmetic
+    and stored row-major and transposed (the route Triton 3.6's cvt corrupts), equal the row-major
+    kernel's bytes (same tiling, so the same sums) and their transpose."""
+    from speedrun.kernels.cross_entropy import TRANSPOSED_BLOCK_M, TRANSPOSED_BLOCK_V, transpose_fp8
+
+    logits = (torch.randn(n, V_PAD, device="cuda") * 6).to(torch.bfloat16)
+    targets, prefix = batch(n, seed=4)
+    kw = dict(vocab_size=VOCAB, grad_out_scale=1 / GRAD_UNIT_SCALE, grad_dtype=torch.float8_e5m2, sigmoid="tanh",
+              block_m=TRANSPOSED_BLOCK_M, block_v=TRANSPOSED_BLOCK_V)
+    ref_l, ref_d = softcapped_ce_fwd_bwd(logits, targets, MTP, prefix, 0.25, **kw)
+    ref_t = transpose_fp8(ref_d)
+    d = torch.full((n, V_PAD), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e5m2)  # NaN-poisoned
+    d_t = torch.full((V_PAD, n), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e5m2)
+    losses, _ = softcapped_ce_fwd_bwd(logits, targets, MTP, prefix, 0.25, dlogits_out=d, dlogits_t_out=d_t, **kw)
+    assert torch.equal(losses, ref_l)
+    assert torch.equal(d.view(torch.uint8), ref_d.view(torch.uint8))
+    assert torch.equal(d_t.view(torch.uint8), ref_t.view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not fp8_supported("cuda"), reason="needs FP8 tensor cores (sm89+)")
+def test_fp8_head_gradients_are_the_same_with_either_gradient_layout(monkeypatch):
+    from speedrun.kernels import cross_entropy as ce
+
+    args = head(8192, seed=5)
+    monkeypatch.setattr(ce, "GRAD_LAYOUT", "transpose")
+    base = run(fused_softcapped_ce, *args, 0.125, use_fp8=True)
+    monkeypatch.setattr(ce, "GRAD_LAYOUT", "dual")
+    dual = run(fused_softcapped_ce, *args, 0.125, use_fp8=True)
+    # the two routes tile the row sums differently (1 x 1024 vs 32 x 128): rounding-level changes
+    assert rel(dual[0], base[0]) < 1e-6
+    assert rel(dual[1], base[1]) < 1e-2 and rel(dual[2], base[2]) < 1e-2
