@@ -127,6 +127,19 @@ def main(argv: list[str] | None = None) -> int:
                                                                  **e5m2)[1])),
                bytes_moved=n * v * 2 * 2 + n * v * 3, min_bytes=n * v * 4)
 
+    # --- the head's dX times the per-token loss gradient (backward): eager torch (three passes, the
+    # route until the nineteenth session) against the in-place Triton pass; min_bytes: read + write
+    from speedrun.kernels.cross_entropy import scale_rows_
+
+    dx = torch.randn(n, d, device=dev).to(torch.bfloat16)
+    go = torch.rand(n, 1, device=dev) + 0.5
+    for rnd in range(2):
+        record(f"dx_row_scale_eager_r{rnd}", bench(lambda: (dx.float() * go).to(torch.bfloat16)),
+               bytes_moved=n * d * (2 + 4 + 4 + 4 + 4 + 2), min_bytes=n * d * 4)
+        record(f"dx_row_scale_triton_r{rnd}", bench(lambda: scale_rows_(dx, go.reshape(-1))),
+               bytes_moved=n * d * 4, min_bytes=n * d * 4)
+    del dx
+
     if args.sweep_transposed:
         # Both e5m2 layouts from the kernel (min_bytes: two reads of the logits + two layouts written)
         # against the kernel then the transpose pass, in alternating rounds; the first round also

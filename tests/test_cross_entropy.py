@@ -625,3 +625,35 @@ def test_sm90_build_of_the_dual_layout_kernel_has_no_fp8_cast():
     assert res.returncode == 0, res.stderr[-3000:]
     info = json.loads(res.stdout.strip().splitlines()[-1])
     assert info["fp8_casts"] == 0 and info["stores"] >= 5, info  # losses, 2 dense, 2 sparse (per target)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (64, 768)), (torch.bfloat16, (37, 300)), (torch.float16, (20, 64))])
+def test_scale_rows_matches_its_reference_bits(dtype, shape):
+    """The head's dX times each row's loss gradient, in place: the kernel (16-row tiles, ragged
+    here) gives the reference's bits, one rounding of the fp32 product, specials included."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    x[1, 2], x[2, 3], x[3, 4] = float("nan"), float("inf"), -60000.0
+    s = torch.rand(shape[0], generator=g) * 2 + 0.01
+    s[3] = 1.5  # -60000 * 1.5 overflows fp16 (inf), not bf16
+    want = ce.scale_rows_reference_(x.clone(), s)
+    got = x.clone()
+    assert ce.scale_rows_(got, s) is got
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and nan.sum() == 1  # (NaN payloads may differ)
+    assert torch.equal(got.masked_fill(nan, 0).view(torch.int16), want.masked_fill(nan, 0).view(torch.int16))
+    assert not torch.equal(got.masked_fill(nan, 0), x.masked_fill(nan, 0))  # it did scale
+
+
+def test_scale_rows_rejects_bad_inputs():
+    x = torch.randn(8, 16).bfloat16()
+    for fn in (ce.scale_rows_, ce.scale_rows_reference_):
+        with pytest.raises(ValueError, match="x must be a contiguous 2-D bf16/fp16"):
+            fn(x.float(), torch.ones(8))
+        with pytest.raises(ValueError, match="x must be a contiguous 2-D bf16/fp16"):
+            fn(x.t(), torch.ones(16))
+        with pytest.raises(ValueError, match="row_scale must be a contiguous fp32 \\(8,\\)"):
+            fn(x, torch.ones(8, 1))
+        with pytest.raises(ValueError, match="row_scale must be a contiguous fp32 \\(8,\\)"):
+            fn(x, torch.ones(8, dtype=torch.float64))

@@ -661,6 +661,55 @@ def transpose_fp8(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _scale_rows_kernel(x_ptr, s_ptr, n_rows, n_cols, ROUND_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
+    # x[r, :] = x[r, :] * s[r] in place, the fp32 product rounded once to x's dtype
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r[:, None] < n_rows) & (c[None, :] < n_cols)
+    ptrs = x_ptr + r[:, None] * n_cols + c[None, :]
+    v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * tl.load(s_ptr + r, mask=r < n_rows, other=0.0)[:, None]
+    if ROUND_BF16:  # the interpreter's fp32 -> bf16 cast truncates: round to nearest even first
+        bits = v.to(tl.int32, bitcast=True)
+        v = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    tl.store(ptrs, v.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_scale_rows(x: torch.Tensor, row_scale: torch.Tensor, name: str) -> None:
+    if x.dim() != 2 or not x.is_contiguous() or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{name}: x must be a contiguous 2-D bf16/fp16 tensor, got {x.dtype} {tuple(x.shape)}")
+    if (row_scale.dtype != torch.float32 or tuple(row_scale.shape) != (x.shape[0],) or not row_scale.is_contiguous()
+            or row_scale.device != x.device):
+        raise ValueError(f"{name}: row_scale must be a contiguous fp32 ({x.shape[0]},) tensor on {x.device}, got "
+                         f"{row_scale.dtype} {tuple(row_scale.shape)} on {row_scale.device}")
+
+
+def scale_rows_(x: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """``x[i, :] *= row_scale[i]`` in place, the product in fp32 rounded once to x's dtype: the
+    per-token loss gradient applied to the head's dX (one read and one write of x; eager torch
+    took three passes and two fp32 temporaries, ~0.27 ms per record micro-batch).
+
+    x: (N, D) contiguous bf16/fp16; row_scale: (N,) contiguous fp32.  Returns x.  Triton on CUDA
+    or under the interpreter, else :func:`scale_rows_reference_` (same bits)."""
+    _check_scale_rows(x, row_scale, "scale_rows_")
+    if not (x.is_cuda or interpreting()) or x.numel() == 0:
+        return scale_rows_reference_(x, row_scale)
+    n, d = x.shape
+    block_r, block_c = 16, min(256, next_pow2(d))
+    with launch_note("_scale_rows_kernel", reads=(x, row_scale), writes=(x,)):
+        launch(_scale_rows_kernel, (cdiv(n, block_r), cdiv(d, block_c)), x, row_scale, n, d,
+               ROUND_BF16=interpreting() and x.dtype == torch.bfloat16, BLOCK_R=block_r, BLOCK_C=block_c,
+               num_warps=4)
+    return x
+
+
+def scale_rows_reference_(x: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch reference of :func:`scale_rows_` (same signature, same bits)."""
+    _check_scale_rows(x, row_scale, "scale_rows_reference_")
+    return x.copy_((x.float() * row_scale[:, None]).to(x.dtype))
+
+
 _GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e5m2)
 
 
@@ -981,13 +1030,14 @@ class FusedSoftcappedCE(torch.autograd.Function):
     def backward(ctx, grad_losses):
         x, w_saved, dlogits, dlogits_t = ctx.saved_tensors
         x_scale, w_scale, g_unit = ctx.scales
-        go = grad_losses.float().reshape(-1, 1)
+        # contiguous: the usual grad_output is a scalar expanded over the rows (stride 0)
+        go = grad_losses.float().reshape(-1, 1).contiguous()
         dx = dw = None
         if ctx.use_fp8:
             if ctx.needs_input_grad[0]:
                 # w_f8 is (D, V) row-major, so its .t() is the column-major B this GEMM needs.
                 dx = scaled_mm(dlogits, w_saved.t(), g_unit, w_scale, x.dtype, use_fast_accum=False)
-                dx = (dx.float() * go).to(x.dtype)
+                dx = _scale_dx_rows(dx, go)
             if ctx.needs_input_grad[1]:
                 # Fold the per-row grad_output into x; scaling by its max keeps the e4m3 range of
                 # the forward quantisation when grad_output is uniform (the usual loss.sum()*c).
@@ -999,10 +1049,17 @@ class FusedSoftcappedCE(torch.autograd.Function):
                 dw = scaled_mm(xg_t, d_col, xg_scale, g_unit, ctx.weight_dtype, use_fast_accum=False)
         else:
             if ctx.needs_input_grad[0]:
-                dx = ((dlogits @ w_saved.t()).float() * go).to(x.dtype)
+                dx = _scale_dx_rows(dlogits @ w_saved.t(), go)
             if ctx.needs_input_grad[1]:
                 dw = ((x.float() * go).to(x.dtype).t() @ dlogits).to(ctx.weight_dtype)
         return dx, dw, None, None, None, None, None, None, None, None, None, None, None, None
+
+
+def _scale_dx_rows(dx: torch.Tensor, go: torch.Tensor) -> torch.Tensor:
+    """dX rows times the per-token loss gradient ``go`` (N, 1) fp32, one rounding to dX's dtype."""
+    if dx.dtype in (torch.bfloat16, torch.float16) and dx.is_contiguous():
+        return scale_rows_(dx, go.reshape(-1))
+    return (dx.float() * go).to(dx.dtype)
 
 
 def fused_softcapped_ce(

@@ -265,3 +265,16 @@ def test_fp8_head_gradients_are_the_same_with_either_gradient_layout(monkeypatch
     # the two routes tile the row sums differently (1 x 1024 vs 32 x 128): rounding-level changes
     assert rel(dual[0], base[0]) < 1e-6
     assert rel(dual[1], base[1]) < 1e-2 and rel(dual[2], base[2]) < 1e-2
+
+
+def test_scale_rows_at_record_shape():
+    """The head's dX times the per-token loss gradient, in place (49,152 x 768 bf16): the
+    reference's bits (CUDA's fp32 -> bf16 cast rounds to nearest even, as the kernel does)."""
+    from speedrun.kernels.cross_entropy import scale_rows_, scale_rows_reference_
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(49152, D, device="cuda", generator=g).bfloat16()
+    s = torch.rand(49152, device="cuda", generator=g) + 0.25
+    want = scale_rows_reference_(x.clone(), s)
+    got = scale_rows_(x.clone(), s)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
