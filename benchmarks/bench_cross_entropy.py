@@ -146,20 +146,26 @@ def main(argv: list[str] | None = None) -> int:
         # checks that the two routes give the same bytes.
         from speedrun.kernels.cross_entropy import TRANSPOSED_BLOCK_M, TRANSPOSED_BLOCK_V
 
+        from speedrun.kernels.fp8_cache import sm_count
+
         out_t = torch.empty(v, n, device=dev, dtype=torch.float8_e5m2)
-        configs = [(None, None, 4)] + [(m, bv, w) for m in (16, 32, 64) for bv in (64, 128, 256) for w in (4, 8)
-                                       if (m, bv, w) != (TRANSPOSED_BLOCK_M, TRANSPOSED_BLOCK_V, 4)]
+        # (rows, columns, warps, programs per SM or None): 32-row blocks leave ~1536 programs, a
+        # few waves, so persistent grids (whole waves, each program looping) are in the sweep too
+        configs = [(None, None, 4, None)] + [(m, bv, w, None) for m in (16, 32, 64) for bv in (64, 128, 256)
+                                             for w in (4, 8) if (m, bv, w) != (TRANSPOSED_BLOCK_M, TRANSPOSED_BLOCK_V, 4)]
+        configs += [(TRANSPOSED_BLOCK_M, TRANSPOSED_BLOCK_V, 4, k) for k in (2, 4, 8)]
+        sms = sm_count(torch.device(dev))
         for rnd in range(3):
             record(f"transposed_baseline_tanh_r{rnd}",
                    bench(lambda: transpose_fp8(softcapped_ce_fwd_bwd(logits, targets, mtp, prefix, pw, sigmoid="tanh",
                                                                      **e5m2)[1])),
                    bytes_moved=n * v * 2 * 2 + n * v * 3, min_bytes=n * v * 4)
-            for block_m, block_v, warps in configs:
+            for block_m, block_v, warps, per_sm in configs:
                 fn = lambda: softcapped_ce_fwd_bwd(  # noqa: E731
                     logits, targets, mtp, prefix, pw, sigmoid="tanh", dlogits_t_out=out_t, block_m=block_m,
-                    block_v=block_v, num_warps=warps, **e5m2)
+                    block_v=block_v, num_warps=warps, max_programs=None if per_sm is None else per_sm * sms, **e5m2)
                 label = (f"transposed_dual_m{block_m or TRANSPOSED_BLOCK_M}_v{block_v or TRANSPOSED_BLOCK_V}_w{warps}"
-                         f"{'_default' if block_m is None else ''}_r{rnd}")
+                         f"{'' if per_sm is None else f'_{per_sm}perSM'}{'_default' if block_m is None else ''}_r{rnd}")
                 try:
                     ms = bench(fn)
                 except Exception as e:  # a config may not compile (registers, shared memory)

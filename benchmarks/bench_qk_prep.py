@@ -76,6 +76,17 @@ def bench_qk_prep(args, dev, copy_bw):
         r = {}
         r["fused_fwd_ms"] = _bench(lambda: m._launch_fwd(qkv, cos, sin, a, T, H, dqk, dv, n, dout, paired, key_offset, eps))
         r["fused_bwd_ms"] = _bench(lambda: m._launch_bwd(qkv, cos, sin, *thd, T, H, dqk, dv, n, paired, key_offset, eps))
+        # model.qk_prep_fp8_grad: the backward with its e5m2 epilogue, against the backward then the
+        # packed QKV GEMM's delayed quantise pass over d qkv (what the switch replaces)
+        from speedrun.kernels.fp8_cache import E5M2, quantize_delayed
+
+        q8 = torch.empty(qkv.shape, dtype=E5M2, device=dev)
+        s8, a8 = torch.full((), 1e-3, device=dev), torch.zeros((), device=dev)
+        r["fused_bwd_e5m2_ms"] = _bench(lambda: m._launch_bwd(qkv, cos, sin, *thd, T, H, dqk, dv, n, paired, key_offset,
+                                                              eps, fp8_out=(q8, s8, a8)))
+        r["fused_bwd_then_quantize_ms"] = _bench(lambda: quantize_delayed(
+            m._launch_bwd(qkv, cos, sin, *thd, T, H, dqk, dv, n, paired, key_offset, eps), s8, a8,
+            fp8_dtype=E5M2, transposed=False))
         x = qkv.clone().requires_grad_()
 
         def fwd_bwd(fn):
@@ -104,6 +115,7 @@ def bench_qk_prep(args, dev, copy_bw):
         out[name] = r
         print(f"{name:18s} fused fwd {r['fused_fwd_ms']:.3f} ms ({r['fused_fwd_tbps']:.2f} TB/s, "
               f"{100 * r['fused_fwd_frac_copy']:.0f}% copy)  bwd {r['fused_bwd_ms']:.3f} ms ({r['fused_bwd_tbps']:.2f} TB/s)  "
+              f"bwd+e5m2 {r['fused_bwd_e5m2_ms']:.3f} vs bwd then quantise {r['fused_bwd_then_quantize_ms']:.3f}  "
               f"fwd+bwd {r['fused_fwd_bwd_ms']:.3f} | ref eager {r['ref_eager_fwd_ms']:.3f}/{r['ref_eager_fwd_bwd_ms']:.3f}"
               + (f" | ref compiled {r['ref_compiled_fwd_ms']:.3f}/{r['ref_compiled_fwd_bwd_ms']:.3f}" if "ref_compiled_fwd_ms" in r else ""),
               flush=True)

@@ -96,6 +96,10 @@ class ModelConfig:
     # call site, so torch.compile fuses the amax into the RMS norm that produces the input, as
     # upstream f411b3d does: one read of the input fewer per call).
     mlp_input_quant: str = "kernel"
+    # qkv_path fused_fp8 with delayed scaling: the QK-prep backward kernel also writes its d qkv as
+    # e5m2 with the packed QKV GEMM's delayed dy scale (and measures its amax), so that GEMM's
+    # backward skips its quantise pass over d qkv (T x 1920 bf16 read per layer and micro-batch)
+    qk_prep_fp8_grad: bool = False
     # Gradient of the record network's embedding tables (embed, value and bigram embeddings):
     # "autograd" (a dense table-sized gradient per micro-batch, added into .grad), or the looked-up
     # rows' gradients added into an fp32 accumulator that the training step hands to .grad before
@@ -134,6 +138,10 @@ class ModelConfig:
             raise ConfigError("model.mlp_input_quant=graph quantises the MLP input of model.kernels=fp8 with "
                               f"model.fp8_input_scaling=current; got kernels={self.kernels!r}, "
                               f"fp8_input_scaling={self.fp8_input_scaling!r}")
+        if self.qk_prep_fp8_grad and (self.qkv_path != "fused_fp8" or self.fp8_input_scaling != "delayed"):
+            raise ConfigError("model.qk_prep_fp8_grad=true quantises the packed FP8 QKV GEMM's output gradient with "
+                              "its delayed scale: it needs model.qkv_path=fused_fp8 and model.fp8_input_scaling=delayed; "
+                              f"got qkv_path={self.qkv_path!r}, fp8_input_scaling={self.fp8_input_scaling!r}")
         for name in ("vocab_size", "num_layers", "model_dim", "num_heads", "qk_head_dim", "v_head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")

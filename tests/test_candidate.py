@@ -227,3 +227,59 @@ def test_qk_prep_writes_the_backends_padded_width(qkv_path):
     gp, gq = _grads(plain), _grads(padded)
     for name in gp:
         assert torch.allclose(gp[name], gq[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_qk_prep_hands_the_qkv_gemm_its_e5m2_gradient(monkeypatch):
+    """model.qk_prep_fp8_grad: once the delayed dy scales are ready (after the first step end), each
+    attention layer's QK-prep backward writes d qkv as e5m2 and the packed QKV GEMM's backward takes
+    it instead of quantising d qkv itself.  Loss and every gradient are the switch-off model's, bit
+    for bit (the same bytes by the same rule), over two steps; a copy of d qkv (another tensor)
+    would be quantised as usual."""
+    from speedrun.kernels.fp8_cache import interpreting
+
+    if not interpreting():
+        pytest.skip("the fused QK-prep kernel runs on CUDA or under TRITON_INTERPRET=1")
+    switches = dict(fp8_input_scaling="delayed")
+    _, off = _pair("fused_fp8", "fp8_full", dtype=torch.bfloat16, **switches)
+    _, on = _pair("fused_fp8", "fp8_full", dtype=torch.bfloat16, qk_prep_fp8_grad=True, **switches)
+    layers = len(on.attn_layers)
+    results = {}
+    for name, model in (("off", off), ("on", on)):
+        steps = []
+        for step in range(2):
+            batch = _batch(64 + 16 * step)
+            loss = model.loss(batch, ARGS)
+            loss.backward()
+            steps.append((loss.detach(), _grads(model)))
+            model.end_fp8_step()
+            model.zero_grad()
+        results[name] = steps
+    taken = [st.handoffs_taken for st in on._qkv_inputs.values()]
+    assert sum(taken) == layers and all(t == 1 for t in taken)  # none in step 1 (scales not ready), all in step 2
+    assert all(st.handoffs_taken == 0 for st in off._qkv_inputs.values())
+    for (lo, go), (ln, gn) in zip(results["off"], results["on"]):
+        assert torch.equal(lo, ln) and go.keys() == gn.keys()
+        for k in go:
+            assert torch.equal(go[k], gn[k]), k
+
+
+def test_handed_over_gradient_is_taken_only_for_its_own_tensor():
+    from speedrun.kernels.fp8_cache import E5M2, InputScaling
+
+    st = InputScaling(input_scaling="delayed")
+    g = torch.randn(32, 48).bfloat16()
+    st.quantize_input(g, "g", transposed=False)  # not ready: current scaling, and its amax counts
+    from speedrun.kernels.fp8_cache import end_fp8_step
+
+    end_fp8_step([st])
+    scale, acc = st.g_epilogue_args(g.device)
+    fake = torch.zeros(g.shape, dtype=E5M2)
+    st.hand_over_g(g, fake, scale)
+    q, qt, s = st.quantize_input(g.clone(), "g", transposed=False)  # another tensor: quantised
+    assert st.handoffs_taken == 0 and q.float().abs().sum() > 0
+    st.hand_over_g(g, fake, scale)
+    assert st.quantize_input(g, "g", transposed=True)[1] is not None and st.handoffs_taken == 0  # transposed wanted
+    st.hand_over_g(g, fake, scale)
+    q, qt, s = st.quantize_input(g, "g", transposed=False)
+    assert q is fake and qt is None and s is scale and st.handoffs_taken == 1
+    assert InputScaling().g_epilogue_args(g.device) is None  # current scaling: no epilogue

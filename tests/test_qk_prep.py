@@ -107,6 +107,61 @@ def test_forward_and_backward_match_reference(variant, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("variant", ["plain", "paired_aux", "key_offset_aux_pad"])
+@pytest.mark.parametrize("block_r", [None, 8])  # the interpreter's rows per program; the GPU's
+def test_backward_e5m2_epilogue_is_the_delayed_quantisation_of_d_qkv(variant, block_r, monkeypatch):
+    """model.qk_prep_fp8_grad: the backward's e5m2 copy of d qkv has the bits of the delayed
+    quantisation rule (quantize_dual_layout_reference's, which quantize_delayed reproduces) applied
+    to the stored d qkv with the same scale, the bf16 d qkv is unchanged, and the amax accumulator
+    ends at max(its start, max |d qkv|) (a start above it stays).  T = 37: ragged row blocks."""
+    from speedrun.kernels import qk_prep as m
+    from speedrun.kernels.fp8_cache import E5M2, abs_max_reference
+
+    if block_r is not None:
+        monkeypatch.setattr(m, "_INTERP_CONFIG", {"BLOCK_R": block_r, "num_warps": 2})
+    paired, key_offset, pad_to, aux = VARIANTS[variant]
+    T = 37
+    qkv, a = inputs(T, torch.bfloat16, aux, seed=11)
+    cos, sin = tables(T)
+    T_, H_, dqk, dv, n, dout = _check(qkv, cos, sin, H, DQK, DV, paired, key_offset, pad_to, a, None, "t")
+    gen = torch.Generator().manual_seed(12)
+    gq, gk = (torch.randn(T, H, dout, generator=gen).bfloat16().to(DEV) for _ in range(2))
+    gv = torch.randn(T, H, dv, generator=gen).bfloat16().to(DEV)
+    args = (qkv, cos, sin, gq, gk, gv, T, H, dqk, dv, n, paired, key_offset, DEFAULT_EPS)
+    plain = _launch_bwd(*args)
+    for start in (0.0, 1e6):
+        q8 = torch.full(tuple(qkv.shape), 0x7F, dtype=torch.uint8, device=DEV).view(E5M2)  # poisoned (NaN)
+        scale = torch.tensor(abs_max_reference(plain).item() * 1.5 / 57344, device=DEV)
+        acc = torch.full((), start, device=DEV)
+        dx = _launch_bwd(*args, fp8_out=(q8, scale, acc))
+        assert torch.equal(dx, plain)
+        want_q = (plain.float() * (1.0 / scale)).clamp(-57344.0, 57344.0).to(E5M2)  # the reference's rule
+        assert torch.equal(q8.view(torch.uint8), want_q.view(torch.uint8))
+        assert (q8.float() != 0).float().mean() > 0.5  # the scale puts most values in e5m2's range
+        assert acc.item() == max(start, abs_max_reference(plain).item())
+
+
+def test_backward_e5m2_epilogue_refuses_bad_outputs():
+    from speedrun.kernels.fp8_cache import E5M2
+
+    T = 16
+    qkv, _ = inputs(T, torch.bfloat16, False, seed=1)
+    cos, sin = tables(T)
+    g = torch.zeros(T, H, DQK, dtype=torch.bfloat16, device=DEV)
+    gv = torch.zeros(T, H, DV, dtype=torch.bfloat16, device=DEV)
+    z = torch.zeros((), device=DEV)
+    args = (qkv, cos, sin, g, g, gv, T, H, DQK, DV, NF, False, False, DEFAULT_EPS)
+    for q8, sc, match in ((torch.empty(qkv.shape, dtype=torch.float8_e4m3fn, device=DEV), z, "contiguous e5m2"),
+                          (torch.empty((T, 8), dtype=E5M2, device=DEV), z, "contiguous e5m2"),
+                          (torch.empty(qkv.shape, dtype=E5M2, device=DEV), z.reshape(1), "scale must be a 0-d fp32")):
+        with pytest.raises(ValueError, match=match):
+            _launch_bwd(*args, fp8_out=(q8, sc, z))
+    with pytest.raises(ValueError, match="needs 16-bit qkv"):
+        _launch_bwd(qkv.float(), cos, sin, g.float(), g.float(), gv.float(), *args[6:],
+                    fp8_out=(torch.empty(qkv.shape, dtype=E5M2, device=DEV), z, z))
+
+
+@needs_kernel
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gpu_block_sizes_mask_their_tails(variant, monkeypatch):
     """The GPU's launch parameters (tuned on the H200: small row blocks) run here in the
@@ -269,13 +324,18 @@ out = {}
 rc = grid_constants(torch.bfloat16)
 common = dict(EPS=m.DEFAULT_EPS, H=6, DQK=96, DV=128, NF=24, BLOCK_D=128, BLOCK_V=128, ROUND=True, EXACT=False, **rc)
 ptrs = ["qkv_ptr", "cos_ptr", "sin_ptr"]
+e5m2 = {f"Q_{k}": v for k, v in grid_constants(torch.float8_e5m2).items()}
+bwd_ptrs = ["dq_ptr", "dk_ptr", "dv_ptr", "dx_ptr", "dx8_ptr", "scale8_ptr", "amax8_ptr"]
 for name, fn, extra, consts in (
     ("fwd", m._qk_prep_fwd_kernel, ["aux_ptr", "q_ptr", "k_ptr", "v_ptr"],
      dict(DOUT=96, PAIRED=False, KEY_OFFSET=True, HAS_AUX=True, BLOCK_R=m.CONFIGS["fwd"]["BLOCK_R"])),
-    ("bwd", m._qk_prep_bwd_kernel, ["dq_ptr", "dk_ptr", "dv_ptr", "dx_ptr"],
-     dict(PAIRED=False, KEY_OFFSET=True, BLOCK_R=m.CONFIGS["bwd"]["BLOCK_R"])),
+    ("bwd", m._qk_prep_bwd_kernel, bwd_ptrs,
+     dict(PAIRED=False, KEY_OFFSET=True, BLOCK_R=m.CONFIGS["bwd"]["BLOCK_R"], STORE_E5M2=False, **e5m2)),
+    ("bwd_e5m2", m._qk_prep_bwd_kernel, bwd_ptrs,
+     dict(PAIRED=False, KEY_OFFSET=True, BLOCK_R=m.CONFIGS["bwd"]["BLOCK_R"], STORE_E5M2=True, **e5m2)),
 ):
-    sig = {a: ("*fp32" if a in ("cos_ptr", "sin_ptr") else "*bf16") for a in ptrs + extra}
+    types = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "dx8_ptr": "*u8", "scale8_ptr": "*fp32", "amax8_ptr": "*fp32"}
+    sig = {a: types.get(a, "*bf16") for a in ptrs + extra}
     for a in fn.arg_names:
         if a not in sig and a not in consts and a not in common:
             sig[a] = "i32"
@@ -284,8 +344,9 @@ for name, fn, extra, consts in (
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig}
     cst = {(fn.arg_names.index(k),): v for k, v in {**common, **consts}.items()}
     k = triton.compile(ASTSource(fn=fn, signature=full, constexprs=cst, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=m.CONFIGS[name]["num_warps"]))
-    out[name] = dict(shared=k.metadata.shared, convert_layout=k.asm["ttgir"].count("convert_layout"))
+                       options=dict(num_warps=m.CONFIGS[name[:3]]["num_warps"]))
+    out[name] = dict(shared=k.metadata.shared, convert_layout=k.asm["ttgir"].count("convert_layout"),
+                     fp8_casts=k.asm["ttgir"].count("f8E5M2"))
 print(json.dumps(out))
 """
 
@@ -308,4 +369,9 @@ def test_sm90_compile_keeps_pairs_in_registers():
     assert res.returncode == 0, res.stderr[-3000:]
     info = json.loads(res.stdout.strip().splitlines()[-1])
     for name in ("fwd", "bwd"):
-        assert info[name] == {"shared": 0, "convert_layout": 0}, info
+        assert info[name] == {"shared": 0, "convert_layout": 0, "fp8_casts": 0}, info
+    # The e5m2 epilogue (model.qk_prep_fp8_grad) builds too and converts with the hardware
+    # instruction (one layout: safe).  Its 1-byte stores want wider vectors than the bf16 ones, so
+    # the compiler converts the bf16 tiles' layout before their stores (5 conversions, 2 KB of
+    # shared memory at the record shape; bench_qk_prep.py times the cost).
+    assert info["bwd_e5m2"]["fp8_casts"] > 0 and info["bwd_e5m2"]["convert_layout"] <= 6, info

@@ -621,6 +621,8 @@ class InputScaling:
         self.used: set[str] = set()  # slots that accumulated since the last step end (not a field)
         # slot -> (amax tensor, its version, scale): the step's scale, made once (not a field)
         self._step_scales: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self._handoff: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see hand_over_g
+        self.handoffs_taken = 0  # output gradients whose quantisation a producer's epilogue did
 
     def step_scale(self, slot: str, headroom: float, fmax: float) -> torch.Tensor:
         """The scale of ``slot`` for this step, ``max(<slot>_amax, 1e-12) * headroom / fmax`` (0-d
@@ -654,11 +656,32 @@ class InputScaling:
         self.used.add(slot)
         return acc
 
+    def g_epilogue_args(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(scale, amax accumulator)`` for a kernel that makes the output gradient and can
+        quantise it to e5m2 in its own epilogue (delayed scaling once ready; None otherwise: the
+        scale of a call before the first step end depends on that call's own amax)."""
+        if self.input_scaling != "delayed" or not self.g_ready:
+            return None
+        return self.step_scale("g", self.input_headroom, FP8_MAX[E5M2]), self.accumulator("g", device)
+
+    def hand_over_g(self, g: torch.Tensor, g_fp8: torch.Tensor, scale: torch.Tensor) -> None:
+        """Leave ``g_fp8`` (row-major e5m2 of ``g``, quantised with ``scale`` from
+        :meth:`g_epilogue_args`) for the next :meth:`quantize_input` of ``g`` itself (same storage,
+        shape and dtype); any other tensor is quantised as usual."""
+        self._handoff = (g, g_fp8, scale)
+
     def quantize_input(self, t: torch.Tensor, which: str, *, transposed: bool):
         """Quantise ``t``: the input (``which="x"``, e4m3) or the output gradient (``"g"``, e5m2).
         Returns ``(t_fp8 (R, C), t_fp8_t (C, R) or None, scale 0-d fp32)``."""
         if which not in ("x", "g"):
             raise ValueError(f"quantize_input: which must be 'x' or 'g', got {which!r}")
+        if which == "g" and self._handoff is not None:
+            g, g_fp8, scale = self._handoff
+            self._handoff = None
+            if (not transposed and g.data_ptr() == t.data_ptr() and g.shape == t.shape and g.dtype == t.dtype
+                    and g.stride() == t.stride()):
+                self.handoffs_taken += 1
+                return g_fp8, None, scale
         fp8_dtype = E4M3 if which == "x" else E5M2
         if self.input_scaling == "current":
             return quantize_current(t, fp8_dtype=fp8_dtype, transposed=transposed)
@@ -674,10 +697,11 @@ class InputScaling:
 
     def discard_step(self) -> None:
         """Forget this step's accumulations (after an evaluation, whose amaxes must not steer
-        training's scales)."""
+        training's scales) and any gradient handed over but not taken."""
         for slot in self.used:
             getattr(self, f"{slot}_acc").zero_()
         self.used.clear()
+        self._handoff = None
 
 
 def end_fp8_step(states: Sequence[InputScaling]) -> None:
@@ -686,6 +710,8 @@ def end_fp8_step(states: Sequence[InputScaling]) -> None:
     under torch.distributed with several ranks, over all ranks (one all-reduce of all slots); the
     accumulator is zeroed and the slot is ready.  Every rank must pass the same states in the same
     order (the same model: same layers, same slots used)."""
+    for st in states:
+        st._handoff = None  # a gradient handed over and never taken must not outlive its step
     slots = [(st, slot) for st in states for slot in sorted(st.used)]
     if not slots:
         return

@@ -48,7 +48,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from speedrun.kernels.fp8_cache import _round_to_grid, cdiv, grid_constants, interpreting, next_pow2, triton_usable
+from speedrun.kernels.fp8_cache import (
+    E5M2,
+    _fp8_bits,
+    _fp8_bits_hw,
+    _round_to_grid,
+    cdiv,
+    grid_constants,
+    interpreting,
+    next_pow2,
+    triton_usable,
+)
 from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
 from speedrun.model.rotary import apply_rotary
@@ -166,8 +176,22 @@ def _qk_prep_fwd_kernel(
 
 
 @triton.jit
+def _store_e5m2(ptr, v, inv, mask, EXACT: tl.constexpr, Q_MANT: tl.constexpr, Q_EMIN: tl.constexpr,
+                Q_SUB_C: tl.constexpr, Q_MIN_NORMAL: tl.constexpr):
+    """Store ``v`` (the stored 16-bit values, in fp32) quantised to e5m2 with multiplier ``inv``,
+    exactly as the delayed quantise kernel would from the stored tensor; returns max |v| of the tile."""
+    qf = tl.minimum(tl.maximum(v * inv, -57344.0), 57344.0)
+    if EXACT:
+        q = _fp8_bits(qf, Q_MANT, Q_EMIN, Q_SUB_C, Q_MIN_NORMAL)
+    else:
+        q = _fp8_bits_hw(qf, True)
+    tl.store(ptr, q, mask=mask)
+    return tl.max(tl.max(tl.where(mask, tl.abs(v), 0.0), axis=1), axis=0)
+
+
+@triton.jit
 def _qk_prep_bwd_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, dq_ptr, dk_ptr, dv_ptr, dx_ptr,
+    qkv_ptr, cos_ptr, sin_ptr, dq_ptr, dk_ptr, dv_ptr, dx_ptr, dx8_ptr, scale8_ptr, amax8_ptr,
     T, stride_t, stride_cos, stride_dx,
     stride_dq_t, stride_dq_h, stride_dk_t, stride_dk_h, stride_dv_t, stride_dv_h,
     EPS: tl.constexpr, H: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, NF: tl.constexpr,
@@ -175,7 +199,12 @@ def _qk_prep_bwd_kernel(
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
     ROUND: tl.constexpr, EXACT: tl.constexpr,
     MANT: tl.constexpr, EMIN: tl.constexpr, SUB_C: tl.constexpr, MIN_NORMAL: tl.constexpr,
+    STORE_E5M2: tl.constexpr, Q_MANT: tl.constexpr, Q_EMIN: tl.constexpr, Q_SUB_C: tl.constexpr,
+    Q_MIN_NORMAL: tl.constexpr,
 ):
+    # STORE_E5M2: d qkv also goes out as e5m2 (dx8, same layout) with the delayed scale at
+    # scale8_ptr, and max |d qkv| is max-accumulated into amax8_ptr: the packed QKV GEMM's dX then
+    # needs no quantise pass over d qkv (model.qk_prep_fp8_grad).
     P: tl.constexpr = 2 * DQK + DV
     out_ty = dx_ptr.dtype.element_ty
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -190,6 +219,9 @@ def _qk_prep_bwd_kernel(
     m_in = row_ok[:, None] & (d[None, :] < DQK)
     base = qkv_ptr + t[:, None].to(tl.int64) * stride_t + h[:, None] * P
     dbase = dx_ptr + t[:, None].to(tl.int64) * stride_dx + h[:, None] * P
+    qbase = dx8_ptr + t[:, None].to(tl.int64) * stride_dx + h[:, None] * P
+    if STORE_E5M2:
+        inv8 = tl.math.div_rn(1.0, tl.load(scale8_ptr))
     c, s = _tables(cos_ptr, sin_ptr, pos, stride_cos, row_ok, NF, BLOCK_D)
     t64 = t[:, None].to(tl.int64)
 
@@ -202,6 +234,8 @@ def _qk_prep_bwd_kernel(
     dx = rs[:, None] * (g - x * (rs * rs * dot)[:, None])
     dx = _round(dx, ROUND, EXACT, MANT, EMIN, SUB_C, MIN_NORMAL)
     tl.store(dbase + d[None, :], dx.to(out_ty), mask=m_in)
+    if STORE_E5M2:
+        m8 = _store_e5m2(qbase + d[None, :], dx, inv8, m_in, EXACT, Q_MANT, Q_EMIN, Q_SUB_C, Q_MIN_NORMAL)
 
     # k: as q, with the key offset's stationary gradient taken from the next token.
     gk = tl.load(dk_ptr + t64 * stride_dk_t + h[:, None] * stride_dk_h + d[None, :], mask=m_in, other=0.0).to(tl.float32)
@@ -218,12 +252,20 @@ def _qk_prep_bwd_kernel(
     dx = rs[:, None] * (g - x * (rs * rs * dot)[:, None])
     dx = _round(dx, ROUND, EXACT, MANT, EMIN, SUB_C, MIN_NORMAL)
     tl.store(dbase + DQK + d[None, :], dx.to(out_ty), mask=m_in)
+    if STORE_E5M2:
+        m8 = tl.maximum(m8, _store_e5m2(qbase + DQK + d[None, :], dx, inv8, m_in, EXACT, Q_MANT, Q_EMIN, Q_SUB_C,
+                                        Q_MIN_NORMAL))
 
     e = tl.arange(0, BLOCK_V)
     m_v = row_ok[:, None] & (e[None, :] < DV)
     gv = tl.load(dv_ptr + t64 * stride_dv_t + h[:, None] * stride_dv_h + e[None, :], mask=m_v, other=0.0).to(tl.float32)
     gv = _round(gv, ROUND, EXACT, MANT, EMIN, SUB_C, MIN_NORMAL)
     tl.store(dbase + 2 * DQK + e[None, :], gv.to(out_ty), mask=m_v)
+    if STORE_E5M2:
+        m8 = tl.maximum(m8, _store_e5m2(qbase + 2 * DQK + e[None, :], gv, inv8, m_v, EXACT, Q_MANT, Q_EMIN, Q_SUB_C,
+                                        Q_MIN_NORMAL))
+        # |d qkv| >= 0: a float atomic max is exact and order-independent
+        tl.atomic_max(amax8_ptr, m8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,21 +410,40 @@ def _as_thd(g: torch.Tensor | None, T, H, D, like) -> torch.Tensor:
     return g if g.stride(2) == 1 else g.contiguous()
 
 
-def _launch_bwd(qkv, cos, sin, dq, dk, dv, T, H, dqk, dv_dim, n, paired, key_offset, eps, out=None):
+def _check_fp8_out(fp8_out, shape, device) -> None:
+    q, scale, amax = fp8_out
+    if q.dtype != E5M2 or tuple(q.shape) != tuple(shape) or not q.is_contiguous() or q.device != device:
+        raise ValueError(f"qk_prep_backward: fp8_out's tensor must be a contiguous e5m2 {tuple(shape)} tensor on "
+                         f"{device}, got {q.dtype} {tuple(q.shape)} on {q.device}")
+    for name, t in (("scale", scale), ("amax", amax)):
+        if t.dtype != torch.float32 or t.dim() != 0 or t.device != device:
+            raise ValueError(f"qk_prep_backward: fp8_out's {name} must be a 0-d fp32 tensor on {device}, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _launch_bwd(qkv, cos, sin, dq, dk, dv, T, H, dqk, dv_dim, n, paired, key_offset, eps, out=None, fp8_out=None):
     dt = qkv.dtype
     dx = torch.empty((T, H * (2 * dqk + dv_dim)), dtype=dt, device=qkv.device) if out is None else out
+    if fp8_out is not None:
+        _check_fp8_out(fp8_out, dx.shape, dx.device)
+        if dt == torch.float32:
+            raise ValueError("qk_prep_backward: fp8_out needs 16-bit qkv (its e5m2 bytes quantise the stored gradient)")
     cfg = _INTERP_CONFIG if interpreting() else CONFIGS["bwd"]
     br = cfg["BLOCK_R"]
     if T * H == 0:
         return dx
     tables = 2 * (2 * T if paired else T) * cos.shape[-1] * cos.element_size()
-    with launch_note("_qk_prep_bwd_kernel", reads=(qkv, dq, dk, dv), writes=(dx,), extra_bytes=tables):
+    q8, scale8, amax8 = (fp8_out[0].view(torch.uint8), fp8_out[1], fp8_out[2]) if fp8_out is not None else (dx, dx, dx)
+    q_consts = {f"Q_{k}": v for k, v in grid_constants(E5M2).items()}
+    with launch_note("_qk_prep_bwd_kernel", reads=(qkv, dq, dk, dv), writes=(dx, None if fp8_out is None else q8),
+                     extra_bytes=tables):
         launch(_qk_prep_bwd_kernel, (cdiv(T * H, br),),
-            qkv, cos, sin, dq, dk, dv, dx, T, qkv.stride(0), cos.stride(0), dx.stride(0),
+            qkv, cos, sin, dq, dk, dv, dx, q8, scale8, amax8, T, qkv.stride(0), cos.stride(0), dx.stride(0),
             dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             EPS=float(eps), H=H, DQK=dqk, DV=dv_dim, NF=n, PAIRED=paired, KEY_OFFSET=key_offset and T > 1,
             BLOCK_R=br, BLOCK_D=next_pow2(dqk), BLOCK_V=next_pow2(dv_dim),
             ROUND=dt != torch.float32, EXACT=interpreting(), num_warps=cfg["num_warps"], **_round_consts(dt),
+            STORE_E5M2=fp8_out is not None, **q_consts,
         )
     return dx
 
@@ -399,14 +460,14 @@ class _QKPrep(torch.autograd.Function):
         return _shape_out(q, T, H, paired), _shape_out(k, T, H, paired), _shape_out(v, T, H, paired)
 
     @staticmethod
-    def backward(ctx, dq, dk, dv):
+    def backward(ctx, dq, dk, dv, fp8_out=None):
         qkv, cos, sin = ctx.saved_tensors
         T, H, dqk, dvd, n, dout = ctx.dims
         paired, key_offset = ctx.flags
         dq = _as_thd(dq, T, H, dout, qkv)
         dk = _as_thd(dk, T, H, dout, qkv)
         dv = _as_thd(dv, T, H, dvd, qkv)
-        dx = _launch_bwd(qkv, cos, sin, dq, dk, dv, T, H, dqk, dvd, n, paired, key_offset, ctx.eps)
+        dx = _launch_bwd(qkv, cos, sin, dq, dk, dv, T, H, dqk, dvd, n, paired, key_offset, ctx.eps, fp8_out=fp8_out)
         daux = None
         if ctx.aux_shape is not None and ctx.needs_input_grad[1]:
             daux = dv.reshape(ctx.aux_shape).to(qkv.dtype)
@@ -451,9 +512,14 @@ def qk_prep_forward(ctx, qkv, cos, sin, *, num_heads: int, qk_dim: int, v_dim: i
                            DEFAULT_EPS if eps is None else float(eps))
 
 
-def qk_prep_backward(ctx, dq, dk, dv):
-    """The backward half: (dq, dk, dv) -> (dqkv, daux_v or None)."""
-    return _QKPrep.backward(ctx, dq, dk, dv)[:2]
+def qk_prep_backward(ctx, dq, dk, dv, *, fp8_out=None):
+    """The backward half: (dq, dk, dv) -> (dqkv, daux_v or None).
+
+    ``fp8_out = (q (T, N) e5m2, scale 0-d fp32, amax 0-d fp32)``: the kernel also writes dqkv
+    quantised with ``scale`` into q (the bits :func:`~speedrun.kernels.fp8_cache.quantize_delayed`
+    would make from dqkv) and max-accumulates ``max |dqkv|`` into amax: the delayed-scaled dy of
+    the packed FP8 QKV GEMM's backward without a pass over dqkv.  16-bit qkv only."""
+    return _QKPrep.backward(ctx, dq, dk, dv, fp8_out)[:2]
 
 
 def qk_prep_out_shapes(T: int, num_heads: int, qk_dim: int, v_dim: int, *, paired: bool = False,

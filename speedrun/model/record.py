@@ -780,7 +780,7 @@ class RecordGPT(nn.Module):
         without a value residual), registered here because compiled code cannot register them."""
         from speedrun.kernels import opaque
         from speedrun.kernels.fp8_cache import interpreting
-        from speedrun.kernels.qk_prep import qk_prep_backward, qk_prep_forward, qk_prep_out_shapes
+        from speedrun.kernels.qk_prep import qk_prep_forward, qk_prep_out_shapes
         from speedrun.kernels.qkv_pack import packed_qkv_backward, packed_qkv_forward
 
         H, dqk, dv, a = self.num_heads, self.qk_dim, self.v_dim, self.arch
@@ -809,8 +809,8 @@ class RecordGPT(nn.Module):
                                                 paired=paired, key_offset=key_offset, pad_to=pad_to,
                                                 aux_v=ts[3] if len(ts) > 3 else None))
 
-                def prep_backward(ctx, gs, has_aux=has_aux):
-                    dqkv, daux = qk_prep_backward(ctx, *gs)
+                def prep_backward(ctx, gs, has_aux=has_aux, j=j):
+                    dqkv, daux = self._qk_prep_backward(ctx, gs, j)
                     return [dqkv, daux] if has_aux else [dqkv]
 
                 self._kernel_handles[("qk_prep", j, has_aux, padded)] = opaque.register(opaque.OpaqueKernel(
@@ -821,6 +821,25 @@ class RecordGPT(nn.Module):
                         for shape in qk_prep_out_shapes(ts[0].shape[0], H, dqk, dv, paired=paired, pad_to=pad_to)],
                     diff=(True, False, False, True) if has_aux else (True, False, False),
                 ))
+
+    def _qk_prep_backward(self, ctx, grads, j: int):
+        """QK-prep's backward for attention layer ``j``.  With ``model.qk_prep_fp8_grad`` (and the
+        layer's delayed dy scale ready), the kernel also writes d qkv as e5m2 and hands it to the
+        packed QKV GEMM's backward, which runs next and then skips its quantise pass."""
+        from speedrun.kernels.fp8_cache import E5M2
+        from speedrun.kernels.qk_prep import qk_prep_backward
+
+        args = None
+        qkv = ctx.saved_tensors[0]
+        if self.cfg.qk_prep_fp8_grad and qkv.dtype in (torch.bfloat16, torch.float16):  # (fp32: CPU runs)
+            st = self._qkv_input_scaling(j)
+            args = st.g_epilogue_args(qkv.device)
+        if args is None:
+            return qk_prep_backward(ctx, *grads)
+        g_fp8 = torch.empty(qkv.shape, dtype=E5M2, device=qkv.device)
+        dqkv, daux = qk_prep_backward(ctx, *grads, fp8_out=(g_fp8, *args))
+        st.hand_over_g(dqkv, g_fp8, args[0])
+        return dqkv, daux
 
     def __setstate__(self, state) -> None:
         """A copy (deepcopy, pickle) is uncompiled and registers its own fused-kernel ops: the

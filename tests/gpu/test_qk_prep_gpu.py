@@ -88,3 +88,67 @@ def test_inside_torch_compile():
     out2 = f(x2)
     out2.backward()
     assert rel(out1, out2) < 1e-5 and rel(x1.grad, x2.grad) < 1e-5
+
+
+@pytest.mark.parametrize("variant", ["long_key_offset_aux", "paired_aux_pad128"])
+def test_backward_e5m2_epilogue_at_record_shape(variant):
+    """model.qk_prep_fp8_grad on sm90 (49,152 tokens): the epilogue's e5m2 bytes (hardware cvt,
+    one layout) are quantize_delayed's from the stored d qkv, and the amax is exact."""
+    from speedrun.kernels.fp8_cache import E5M2, abs_max, quantize_delayed
+
+    T = 49152
+    paired, key_offset, pad_to, aux = VARIANTS[variant]
+    qkv, a, cos, sin = _setup(T, aux, seed=21)
+    _, _, dqk, dv, n, dout = _check(qkv, cos, sin, H, DQK, DV, paired, key_offset, pad_to, a, None, "t")
+    g = torch.Generator(device=DEV).manual_seed(22)
+    gq, gk = (torch.randn(T, H, dout, device=DEV, generator=g).bfloat16() for _ in range(2))
+    gv = torch.randn(T, H, dv, device=DEV, generator=g).bfloat16()
+    args = (qkv, cos, sin, gq, gk, gv, T, H, dqk, dv, n, paired, key_offset, DEFAULT_EPS)
+    plain = _launch_bwd(*args)
+    scale = (abs_max(plain) * 1.5 / 57344).reshape(())
+    q8 = torch.full(tuple(qkv.shape), 0x7F, dtype=torch.uint8, device=DEV).view(E5M2)
+    acc = torch.zeros((), device=DEV)
+    dx = _launch_bwd(*args, fp8_out=(q8, scale, acc))
+    want_acc = torch.zeros((), device=DEV)
+    want_q, _ = quantize_delayed(plain, scale, want_acc, fp8_dtype=E5M2, transposed=False)
+    assert torch.equal(dx, plain)
+    assert torch.equal(q8.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(acc, want_acc) and torch.equal(acc, abs_max(plain))
+
+
+def test_compiled_candidate_hands_every_layer_its_e5m2_gradient():
+    """Under torch.compile (Inductor passes d qkv from one opaque backward to the next) the packed
+    QKV GEMM's backward finds QK-prep's e5m2 gradient in every attention layer once the delayed
+    scales are ready, and the losses follow the switch-off model's."""
+    from types import SimpleNamespace
+
+    from speedrun.config import ModelConfig
+    from speedrun.model.interface import ForwardArgs
+    from speedrun.model.record import RecordGPT
+
+    base = dict(vocab_size=257, num_layers=6, model_dim=128, num_heads=4, qk_head_dim=24, v_head_dim=32,
+                architecture="record", qkv_path="fused_fp8", kernels="fp8_full", fp8_input_scaling="delayed")
+    models = {}
+    for name, on in (("off", False), ("on", True)):
+        torch.manual_seed(0)
+        m = RecordGPT(ModelConfig(**base, qk_prep_fp8_grad=on)).cuda().bfloat16()
+        m.compile_body(dynamic=False)
+        models[name] = m
+    args = ForwardArgs(window_short=128, window_long=256, mtp_weights=(1.0, 0.5), prefix_weight=0.0)
+    g = torch.Generator().manual_seed(3)
+    T = 512
+    batch = SimpleNamespace(inputs=torch.randint(0, 257, (T,), generator=g, dtype=torch.int32).cuda(),
+                            targets=torch.randint(0, 257, (T,), generator=g).cuda(),
+                            cu_seqlens=torch.tensor([0, 200, T, T], dtype=torch.int32).cuda(), max_seqlen=T, bigram=None)
+    losses = {k: [] for k in models}
+    for step in range(3):
+        for name, m in models.items():
+            loss = m.loss(batch, args)
+            loss.backward()
+            losses[name].append(loss.item())
+            m.end_fp8_step()
+            m.zero_grad()
+    taken = [st.handoffs_taken for st in models["on"]._qkv_inputs.values()]
+    assert taken and all(t == 2 for t in taken), taken  # steps 2 and 3, every layer
+    for lo, ln in zip(losses["off"], losses["on"]):
+        assert abs(lo - ln) <= 1e-3 * abs(lo), (losses)
