@@ -103,7 +103,9 @@ class ModelConfig:
     # Gradient of the record network's embedding tables (embed, value and bigram embeddings):
     # "autograd" (a dense table-sized gradient per micro-batch, added into .grad), or the looked-up
     # rows' gradients added into an fp32 accumulator that the training step hands to .grad before
-    # each Adam (odd) step (speedrun.model.embedding_grad), the rows added by "atomic" fp32 adds.
+    # each Adam (odd) step (speedrun.model.embedding_grad), the rows added by "atomic" fp32 adds;
+    # "atomic" looks the rows up before the compiled network, "atomic_graph" inside it (Inductor
+    # fuses the gathers into the kernels that read the rows, as with autograd's lookups).
     embedding_grad: str = "autograd"
 
     @property
@@ -127,7 +129,7 @@ class ModelConfig:
             raise ConfigError(f"rope_fraction must lie in [0, 1], got {self.rope_fraction}")
         choices = {"kernels": ("reference", "triton", "fp8", "fp8_full"),
                    "qkv_path": ("reference", "fused", "fused_fp8"), "architecture": ("core", "record"),
-                   "fp8_input_scaling": ("current", "delayed"), "mlp_input_quant": ("kernel", "graph"), "embedding_grad": ("autograd", "atomic")}
+                   "fp8_input_scaling": ("current", "delayed"), "mlp_input_quant": ("kernel", "graph"), "embedding_grad": ("autograd", "atomic", "atomic_graph")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}; known: {', '.join(allowed)}")

@@ -36,11 +36,14 @@ def _compiled(model):
 
 @pytest.mark.parametrize("qkv_path,kernels,switches", [
     ("reference", "reference", {}), ("reference", "fp8", {}), ("reference", "fp8", {"mlp_input_quant": "graph"}),
+    ("reference", "fp8", {"embedding_grad": "atomic"}), ("reference", "fp8", {"embedding_grad": "atomic_graph"}),
     ("fused_fp8", "fp8_full", {})])
 def test_compiled_record_network_equals_eager(qkv_path, kernels, switches):
-    """Baseline (reference, the record's FP8 MLP, its input quantised in the graph) and candidate
-    switches: loss, every gradient and the no-grad evaluation forward equal the eager model's,
-    over two steps (the second uses the delayed FP8 scales the first measured)."""
+    """Baseline (reference, the record's FP8 MLP, its input quantised in the graph, the embedding
+    rows' gradients accumulated in place, looked up before or inside the network) and candidate
+    switches: loss, every gradient (the accumulated embedding gradients flushed) and the no-grad
+    evaluation forward equal the eager model's, over two steps (the second uses the delayed FP8
+    scales the first measured)."""
     torch._dynamo.reset()
     _, eager = _pair(qkv_path, kernels, **switches)
     if qkv_path != "reference":  # the GPU's case: a backend that wants Q/K at V's width (varlen, FA3)
@@ -53,7 +56,11 @@ def test_compiled_record_network_equals_eager(qkv_path, kernels, switches):
         le.backward()
         lc.backward()
         assert torch.equal(le, lc), (step, le.item(), lc.item())
+        for m in (eager, compiled):
+            m.flush_embedding_grads()
         ge, gc = _grads(eager), _grads(compiled)
+        if "embedding_grad" in switches:
+            assert {"embed", "value_embeds", "bigram_embed"} <= gc.keys()
         assert ge.keys() == gc.keys()
         for name in ge:
             assert torch.allclose(ge[name], gc[name], rtol=1e-5, atol=1e-6), (step, name)

@@ -91,16 +91,17 @@ def _batch(seed: int, T: int = 64):
                            cu_seqlens=torch.tensor([0, 30, T, T], dtype=torch.int32), max_seqlen=T, bigram=None)
 
 
-def test_record_model_accumulated_gradients_equal_autograd():
+@pytest.mark.parametrize("mode", ["atomic", "atomic_graph"])
+def test_record_model_accumulated_gradients_equal_autograd(mode):
     """The record network, two micro-batches: every parameter's gradient after the flush equals
-    the autograd route's (embed, value and bigram tables through the accumulator, the rest as
-    before), and the losses are the same."""
+    the autograd route's (embed, value and bigram tables through the accumulator, looked up before
+    the network or inside it, the rest as before), and the losses are the same."""
     torch.manual_seed(0)
     ref = RecordGPT(_tiny("autograd"))
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.02)  # off the zero inits (bigram table) so every path carries signal
-    acc = RecordGPT(_tiny("atomic"))
+    acc = RecordGPT(_tiny(mode))
     acc.load_state_dict(ref.state_dict())
     args = ForwardArgs(window_short=16, window_long=48, mtp_weights=(1.0, 0.5), prefix_weight=0.0)
     for seed in (1, 2):
@@ -133,6 +134,34 @@ def test_embedding_grad_switch_is_validated():
         ModelConfig(embedding_grad="atomic").validate()
     with pytest.raises(RuntimeError, match="embedding_grad='atomic'"):
         RecordGPT(_tiny("autograd")).embedding_lookups(_batch(0))
+
+
+def test_lookups_inside_the_inductor_compiled_network_accumulate():
+    """embedding_grad=atomic_graph compiled by Inductor (CPU): the gathers are traced into the
+    network and the backward's accumulate op survives compilation (its result is the anchor's
+    gradient): the flushed table gradients equal the eager atomic model's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = RecordGPT(_tiny("atomic"))
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    graph = RecordGPT(_tiny("atomic_graph"))
+    graph.load_state_dict(eager.state_dict())
+    graph.compile_body(backend="inductor", dynamic=False)
+    args = ForwardArgs(window_short=16, window_long=48, mtp_weights=(1.0, 0.5), prefix_weight=0.0)
+    for seed in (1, 2):
+        le, lg = eager.loss(_batch(seed), args), graph.loss(_batch(seed), args)
+        torch.testing.assert_close(lg, le, rtol=1e-5, atol=1e-6)
+        le.backward()
+        lg.backward()
+    assert graph.embed.grad is None and graph._embedding_grads.pending()
+    for m in (eager, graph):
+        m.flush_embedding_grads()
+    for name in ("embed", "value_embeds", "bigram_embed"):
+        ge, gg = getattr(eager, name).grad, getattr(graph, name).grad
+        assert gg is not None and gg.abs().sum() > 0, name
+        torch.testing.assert_close(gg, ge, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.usefixtures("use_builtin_cache")

@@ -183,18 +183,21 @@ def test_fp8_candidate_resume_equals_uninterrupted(tmp_path, kernels_use_referen
         assert torch.equal(a["model"][k], b["model"][k]), k
 
 
-def test_compiled_run_never_recompiles_after_the_warmup(tmp_path, monkeypatch):
+@pytest.mark.parametrize("extra", [[], ["model.embedding_grad=atomic_graph"]], ids=["preset", "lookups_in_graph"])
+def test_compiled_run_never_recompiles_after_the_warmup(tmp_path, monkeypatch, extra):
     """The warmup compiles every training stage and every validation the run will make (mid-run
     ones in several stages, and the final one with its wider window): the timed region, and the
-    validations inside it, compile nothing.  (Dynamo with its eager backend: the guards and
-    recompiles are Dynamo's, no code generation needed.)"""
+    validations inside it, compile nothing, also with the embedding lookups traced into the
+    network.  (Dynamo with its eager backend: the guards and recompiles are Dynamo's, no code
+    generation needed.)"""
     import torch._dynamo
     from speedrun.model.record import RecordGPT
 
     real = RecordGPT.compile_body
     monkeypatch.setattr(RecordGPT, "compile_body", lambda self, **kw: real(self, **{**kw, "backend": "eager"}))
     torch._dynamo.reset()
-    cfg = tiny_record(tmp_path, "train.compile=true", "train.warmup_steps=1", "train.steps=12", "train.val_every=5")
+    cfg = tiny_record(tmp_path, "train.compile=true", "train.warmup_steps=1", "train.steps=12", "train.val_every=5",
+                      *extra)
     result = train(cfg, console=False)
     metrics = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m["event"] == "val"] == [0, 5, 10, 12]  # stages 0, 1, 3, final

@@ -20,32 +20,63 @@ step flushes two steps at once: one pass over the tables saved per two steps, an
 sum rounded to bf16 once instead of twice.  A checkpoint taken after an even step saves the
 pending sums (:meth:`pending_sum` / :meth:`restore`), so a resumed run adds the next step to
 exactly the same numbers; a discarded step (the warmup) calls :meth:`discard`.
+
+Where the lookups run: ``model.embedding_grad="atomic"`` looks the rows up before the compiled
+network (gathered copies, then read by it); ``"atomic_graph"`` inside it
+(:meth:`EmbeddingGradAccumulator.traced_lookup`), where Inductor fuses each gather into the
+kernels that read the rows.  Either way the backward is one custom op per table
+(``speedrun::accumulate_embedding_rows``), which reaches its accumulator by an integer handle.
 """
 
 from __future__ import annotations
 
 import torch
 
+# Accumulators by handle: the backward reaches its table's accumulator through an integer, a
+# constant in a compiled graph (``model.embedding_grad="atomic_graph"`` traces the lookups).
+_ACCUMULATORS: list[torch.Tensor] = []
+
+
+def _accumulate_embedding_rows(grad: torch.Tensor, rows: torch.Tensor, handle: int) -> torch.Tensor:
+    acc = _ACCUMULATORS[handle]
+    if acc is None:
+        raise RuntimeError(f"embedding gradient accumulator {handle} was dropped (clear() or a table moved) "
+                           "before the backward of a lookup that uses it ran")
+    if grad.is_cuda:
+        from speedrun.kernels.row_accumulate import accumulate_rows
+
+        accumulate_rows(acc, rows, grad)
+    else:  # the kernels' reference (their own tests run them in Triton's CPU interpreter)
+        acc.index_add_(0, rows, grad.to(acc.dtype))
+    return grad.new_empty(0)
+
+
+# ``speedrun::accumulate_embedding_rows(grad, rows, handle) -> (0,)``: adds the rows' gradients into
+# accumulator ``handle`` at run time.  Its empty result is the gradient of the lookup's anchor, so a
+# compiled backward keeps the call (an op whose result nothing reads could be dropped).
+_LIB = torch.library.Library("speedrun", "FRAGMENT")
+_LIB.define("accumulate_embedding_rows(Tensor grad, Tensor rows, int handle) -> Tensor")
+_LIB.impl("accumulate_embedding_rows", _accumulate_embedding_rows, "CompositeExplicitAutograd")
+torch.library.register_fake("speedrun::accumulate_embedding_rows", lambda grad, rows, handle: grad.new_empty(0), lib=_LIB)
+
+
 class _AccumulatingLookup(torch.autograd.Function):
-    """``weight[rows]`` forward; backward adds the output gradient's rows into ``acc`` (fp32,
-    ``weight``'s shape) and returns no gradient for ``weight``."""
+    """``weight[rows]`` forward (traceable: compiled, Inductor fuses the gather into its readers);
+    the backward adds the output gradient's rows into accumulator ``handle`` (fp32, ``weight``'s
+    shape) and returns no gradient for ``weight``, only an empty one for ``anchor`` (a (0,)
+    tensor that requires grad and carries the op through a compiled backward)."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, rows: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, weight: torch.Tensor, rows: torch.Tensor, anchor: torch.Tensor, handle: int) -> torch.Tensor:
         ctx.save_for_backward(rows)
-        ctx.acc = acc
+        ctx.handle = handle
         return weight.index_select(0, rows)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (rows,) = ctx.saved_tensors
-        if grad.is_cuda:
-            from speedrun.kernels.row_accumulate import accumulate_rows
-
-            accumulate_rows(ctx.acc, rows, grad)
-        else:  # the kernels' reference (their own tests run them in Triton's CPU interpreter)
-            ctx.acc.index_add_(0, rows, grad.to(ctx.acc.dtype))
-        return None, None, None
+        done = torch.ops.speedrun.accumulate_embedding_rows(grad.contiguous(), rows, ctx.handle)
+        return None, None, done, None
 
 
 class EmbeddingGradAccumulator:
@@ -58,18 +89,52 @@ class EmbeddingGradAccumulator:
 
     def __init__(self) -> None:
         self._acc: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        self._handles: dict[int, tuple[int, torch.Tensor]] = {}  # id(acc) -> (handle, anchor)
+        self._by_name: dict[str, tuple[int, torch.Tensor]] = {}  # prepare()'s tables -> (handle, anchor)
         self._pending = False
 
+    def _accumulator(self, weight: torch.nn.Parameter) -> torch.Tensor:
+        """``weight``'s fp32 accumulator, allocated on first use (and again if the table changed
+        shape or device; the old one's handle then points nowhere)."""
+        entry = self._acc.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[1].shape != weight.shape or entry[1].device != weight.device:
+            if entry is not None and id(entry[1]) in self._handles:
+                _ACCUMULATORS[self._handles.pop(id(entry[1]))[0]] = None
+            entry = self._acc[id(weight)] = (weight, torch.zeros(weight.shape, dtype=torch.float32, device=weight.device))
+        return entry[1]
+
+    def _entry(self, weight: torch.nn.Parameter) -> tuple[int, torch.Tensor]:
+        """(handle, anchor) of ``weight``'s accumulator, allocated and registered on first use."""
+        acc = self._accumulator(weight)
+        if id(acc) not in self._handles:
+            _ACCUMULATORS.append(acc)
+            self._handles[id(acc)] = (len(_ACCUMULATORS) - 1, torch.zeros(0, device=acc.device, requires_grad=True))
+        return self._handles[id(acc)]
+
     def lookup(self, weight: torch.nn.Parameter, rows: torch.Tensor) -> torch.Tensor:
+        """``weight[rows]`` whose gradient goes into the accumulator (eager: allocates on first use)."""
         if rows.dim() != 1:
             raise ValueError(f"EmbeddingGradAccumulator.lookup: rows must be 1-D, got shape {tuple(rows.shape)}")
         if not (torch.is_grad_enabled() and weight.requires_grad):
             return weight.index_select(0, rows)
-        entry = self._acc.get(id(weight))
-        if entry is None or entry[0] is not weight or entry[1].shape != weight.shape or entry[1].device != weight.device:
-            entry = self._acc[id(weight)] = (weight, torch.zeros(weight.shape, dtype=torch.float32, device=weight.device))
+        handle, anchor = self._entry(weight)
         self._pending = True
-        return _AccumulatingLookup.apply(weight, rows, entry[1])
+        return _AccumulatingLookup.apply(weight, rows, anchor, handle)
+
+    def prepare(self, tables: dict[str, torch.nn.Parameter]) -> None:
+        """Allocate and register the accumulators of ``tables`` (outside compiled code) for
+        :meth:`traced_lookup`, and mark gradients pending (the lookups about to run add to them)."""
+        for name, w in tables.items():  # in place, entries kept when unchanged: nothing for a guard to see
+            entry = self._entry(w)
+            if self._by_name.get(name) is not entry:
+                self._by_name[name] = entry
+        self._pending = True
+
+    def traced_lookup(self, name: str, weight: torch.nn.Parameter, rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`lookup` for code that ``torch.compile`` traces: the accumulator of table ``name``
+        comes from the last :meth:`prepare` (nothing is allocated or marked here)."""
+        handle, anchor = self._by_name[name]
+        return _AccumulatingLookup.apply(weight, rows, anchor, handle)
 
     def pending(self) -> bool:
         """True when lookups ran with gradient since the last :meth:`flush` (their backward may
@@ -105,10 +170,7 @@ class EmbeddingGradAccumulator:
         if tuple(total.shape) != tuple(weight.shape):
             raise ValueError(f"EmbeddingGradAccumulator.restore: sum of shape {tuple(total.shape)} for a table "
                              f"of shape {tuple(weight.shape)}")
-        entry = self._acc.get(id(weight))
-        if entry is None or entry[0] is not weight or entry[1].device != weight.device:
-            entry = self._acc[id(weight)] = (weight, torch.zeros(weight.shape, dtype=torch.float32, device=weight.device))
-        entry[1].copy_(total)
+        self._accumulator(weight).copy_(total)
         self._pending = True
 
     @torch.no_grad()
@@ -122,5 +184,9 @@ class EmbeddingGradAccumulator:
 
     def clear(self) -> None:
         """Drop the accumulators and anything pending (a step abandoned before its flush)."""
+        for handle, _ in self._handles.values():
+            _ACCUMULATORS[handle] = None  # the memory goes; the handle is never reused
         self._acc.clear()
+        self._handles.clear()
+        self._by_name.clear()
         self._pending = False

@@ -886,21 +886,30 @@ class RecordGPT(nn.Module):
         bigram_idx = getattr(batch, "bigram", None)
         return (bigram_hash(inputs, self.bigram_mod) if bigram_idx is None else bigram_idx).long()
 
-    def embedding_lookups(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The embedding tables' rows for ``batch``, looked up outside the compiled network so their
-        gradient accumulates in place (``model.embedding_grad="atomic"``): ``embed[inputs]``
-        (T, D), ``bigram_embed[bigram]`` (T, bigram_dim) before its signs, and the value
-        embeddings (n_ve, T, D).  :meth:`flush_embedding_grads` moves the gradients to ``.grad``."""
+    def embedding_lookups(self, batch, traced: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The embedding tables' rows for ``batch`` whose gradient accumulates in place
+        (``model.embedding_grad="atomic"`` or ``"atomic_graph"``): ``embed[inputs]`` (T, D),
+        ``bigram_embed[bigram]`` (T, bigram_dim) before its signs, and the value embeddings
+        (n_ve, T, D).  ``traced``: inside the compiled network ("atomic_graph"; the accumulators
+        come from :meth:`prepare_embedding_grads`); else before it.  :meth:`flush_embedding_grads`
+        moves the gradients to ``.grad``."""
         if self._embedding_grads is None:
-            raise RuntimeError("embedding_lookups needs model.embedding_grad='atomic'")
+            raise RuntimeError("embedding_lookups needs model.embedding_grad='atomic' or 'atomic_graph'")
         inputs = batch.inputs.long()
         if inputs.dim() != 1:
             raise ValueError(f"RecordGPT: batch.inputs must be (T,), got {tuple(inputs.shape)}")
         acc, T = self._embedding_grads, inputs.shape[0]
         offsets = torch.arange(0, self.num_ve * self.vocab, self.vocab, device=inputs.device)
-        return (acc.lookup(self.embed, inputs), acc.lookup(self.bigram_embed, self._bigram_rows(batch, inputs)),
-                acc.lookup(self.value_embeds, (offsets[:, None] + inputs).reshape(-1))
-                .view(self.num_ve, T, self.value_embeds.shape[1]))
+        rows = {"embed": inputs, "bigram_embed": self._bigram_rows(batch, inputs),
+                "value_embeds": (offsets[:, None] + inputs).reshape(-1)}
+        tables = self.embedding_grad_params()
+        looked = {name: (acc.traced_lookup(name, tables[name], r) if traced else acc.lookup(tables[name], r))
+                  for name, r in rows.items()}
+        return looked["embed"], looked["bigram_embed"], looked["value_embeds"].view(self.num_ve, T, -1)
+
+    def prepare_embedding_grads(self) -> None:
+        """Ready the tables' accumulators for lookups inside the compiled network (outside it)."""
+        self._embedding_grads.prepare(self.embedding_grad_params())
 
     def embedding_grad_params(self) -> dict[str, nn.Parameter]:
         """The tables whose gradients :meth:`embedding_lookups` accumulates in place, by name (none
@@ -954,12 +963,14 @@ class RecordGPT(nn.Module):
         T = inputs.shape[0]
         cu_seqlens, max_seqlen = batch.cu_seqlens, int(batch.max_seqlen)
 
-        if lookups is None:
+        if lookups is not None:
+            x, bigram_rows, ve_all = lookups
+        elif self.cfg.embedding_grad == "atomic_graph" and torch.is_grad_enabled():
+            x, bigram_rows, ve_all = self.embedding_lookups(batch, traced=True)
+        else:
             x = F.embedding(inputs, self.embed)
             bigram_rows = F.embedding(self._bigram_rows(batch, inputs), self.bigram_embed)
             ve_all = self.value_embeds.view(self.num_ve, self.vocab, D)[:, inputs]
-        else:
-            x, bigram_rows, ve_all = lookups
         signs = self.bigram_sign_table[bigram_sign_index(inputs, a.bigram_sign_rows)]
         xb = bigram_rows * signs.type_as(self.bigram_embed)
         xb = xb.type_as(x)
@@ -1055,7 +1066,10 @@ class RecordGPT(nn.Module):
         """(T,) float32: multi-token + prefix-token CE per position (before averaging)."""
         lookups = None
         if self._embedding_grads is not None and torch.is_grad_enabled():
-            lookups = self.embedding_lookups(batch)
+            if self.cfg.embedding_grad == "atomic_graph":
+                self.prepare_embedding_grads()  # the network looks the rows up itself
+            else:
+                lookups = self.embedding_lookups(batch)
         h = (self._hidden_fn or self.hidden)(batch, args, lookups)
         targets = batch.targets.long()
         prefix = None
