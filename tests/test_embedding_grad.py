@@ -134,6 +134,8 @@ def test_embedding_grad_switch_is_validated():
         ModelConfig(embedding_grad="atomic").validate()
     with pytest.raises(RuntimeError, match="embedding_grad='atomic'"):
         RecordGPT(_tiny("autograd")).embedding_lookups(_batch(0))
+    with pytest.raises(RuntimeError, match="table 'embed' was not prepared"):
+        RecordGPT(_tiny("atomic_graph")).embedding_lookups(_batch(0), traced=True)
 
 
 def test_lookups_inside_the_inductor_compiled_network_accumulate():

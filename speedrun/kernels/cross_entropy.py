@@ -72,7 +72,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from speedrun.config import CE_GRAD_LAYOUT_CHOICES, CE_SIGMOID_CHOICES
+from speedrun.config import CE_SIGMOID_CHOICES
 from speedrun.errors import DataError
 from speedrun.kernels.fp8_cache import (
     _fp8_bits,
@@ -119,7 +119,6 @@ SIGMOID_CHOICES = CE_SIGMOID_CHOICES
 # for dx; the backward transposes it for dW, a read and a write of N x V_pad bytes, as upstream)
 # or "dual" (the CE kernel writes both layouts; no transpose pass).  train.ce_grad_layout sets it.
 GRAD_LAYOUT = "transpose"
-GRAD_LAYOUT_CHOICES = CE_GRAD_LAYOUT_CHOICES
 _LOG2E = 1.4426950408889634
 
 # The Triton 3.6 interpreter's fp32 -> e5m2 cast gets the exponent wrong when rounding carries into
@@ -495,9 +494,10 @@ def _ce_fwd_bwd_kernel(
     # Each program owns BLOCK_M whole rows at a time.  Pass 1 reads them for the log-sum-exp, pass 2
     # reads them again and writes dlogits densely (softmax part only); a third step rewrites the
     # few target columns.  STORE_T: every store also goes to dlogits_t (V_pad, N), the layout the
-    # weight-gradient GEMM reads, so no transpose pass follows.  At the record's vocab a row is 100 KB: with one program per row block
-    # thousands of rows are in flight, pass 2 misses L2, and Nsight Compute measured 2.0x the
-    # logits' bytes read (seventh device session); ``max_programs`` bounds the rows in flight.
+    # weight-gradient GEMM reads, so no transpose pass follows.  At the record's vocab a row is
+    # 100 KB: with one program per row block thousands of rows are in flight, pass 2 misses L2, and
+    # Nsight Compute measured 2.0x the logits' bytes read (seventh device session);
+    # ``max_programs`` bounds the rows in flight.
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
     # Under torch.compile, Inductor launches this kernel with fp64 float arguments; keep all the

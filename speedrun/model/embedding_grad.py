@@ -57,7 +57,8 @@ def _accumulate_embedding_rows(grad: torch.Tensor, rows: torch.Tensor, handle: i
 _LIB = torch.library.Library("speedrun", "FRAGMENT")
 _LIB.define("accumulate_embedding_rows(Tensor grad, Tensor rows, int handle) -> Tensor")
 _LIB.impl("accumulate_embedding_rows", _accumulate_embedding_rows, "CompositeExplicitAutograd")
-torch.library.register_fake("speedrun::accumulate_embedding_rows", lambda grad, rows, handle: grad.new_empty(0), lib=_LIB)
+torch.library.register_fake("speedrun::accumulate_embedding_rows", lambda grad, rows, handle: grad.new_empty(0),
+                            lib=_LIB)
 
 
 class _AccumulatingLookup(torch.autograd.Function):
@@ -133,7 +134,11 @@ class EmbeddingGradAccumulator:
     def traced_lookup(self, name: str, weight: torch.nn.Parameter, rows: torch.Tensor) -> torch.Tensor:
         """:meth:`lookup` for code that ``torch.compile`` traces: the accumulator of table ``name``
         comes from the last :meth:`prepare` (nothing is allocated or marked here)."""
-        handle, anchor = self._by_name[name]
+        entry = self._by_name.get(name)
+        if entry is None:
+            raise RuntimeError(f"EmbeddingGradAccumulator.traced_lookup: table {name!r} was not prepared; call "
+                               "prepare() (RecordGPT.prepare_embedding_grads) before the network runs with gradients")
+        handle, anchor = entry
         return _AccumulatingLookup.apply(weight, rows, anchor, handle)
 
     def pending(self) -> bool:
