@@ -325,6 +325,14 @@ def test_compare_kernels_per_step_and_by_family(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "difference +1.09 ms" in out
     assert "1 kernels launched by both (same name, as often): ours 2.00 ms, theirs 1.50 ms (x1.3333)" in out
+    # one family's kernels, all of them, largest first (where a family's difference comes from)
+    assert cmp.main([str(a), str(b), "--family", "gemm"]) == 0
+    out = capsys.readouterr().out
+    assert "kernels of gemm (cuBLAS/CUTLASS), largest first" in out
+    listed = [line.split()[0] for line in out.splitlines()[out.splitlines().index(
+        next(x for x in out.splitlines() if x.startswith("kernels of"))) + 1:]]
+    assert listed == ["nvjet_sm90_tst_256x128", "void"]  # 2.0 ms, then splitKreduce's 0.01
+    assert cmp.main([str(a), str(b), "--family", "o"]) == 2 and "matches 2 families" in capsys.readouterr().err
     a.write_text("{}")
     assert cmp.main([str(a), str(b)]) == 2 and "needs 'steps'" in capsys.readouterr().err
 
