@@ -516,9 +516,11 @@ def quantize_current_graph(
 
     Compiled where ``x`` comes out of an RMS norm (the record MLP's input), Inductor folds
     ``max|x|`` into the norm's reduction and the cast into one pointwise pass, so ``x`` is read
-    once after the norm instead of twice.  Inductor divides with ``div.full.f32`` (approximate, at
-    most 2 ulp) unless ``TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING=1``: compiled, the scale may sit
-    an ulp or two from the reference's, and the bytes quantised with it follow that scale.
+    once after the norm instead of twice.  Compiled, the result is not bit for bit the
+    reference's: Inductor divides with ``div.full.f32`` (approximate, at most 2 ulp) unless
+    ``TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING=1``, and inside one kernel it may quantise the
+    producer's fp32 values without their 16-bit rounding (``emulate_precision_casts`` off); each
+    byte stays within one FP8 step of the reference's.
     """
     _check_one_matrix(x, fp8_dtype, "quantize_current_graph")
     fmax = FP8_MAX[fp8_dtype]

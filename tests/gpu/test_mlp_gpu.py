@@ -313,8 +313,10 @@ def test_quantize_current_reduces_every_programs_partial_at_record_shape():
 def test_quantize_current_graph_fuses_into_the_norm_at_record_shape():
     """model.mlp_input_quant=graph as Inductor compiles it on the GPU: the amax joins the RMS
     norm's kernel (no separate pass over the normed tensor), and the bytes follow the reference's
-    on the compiled norm output.  Inductor divides approximately (div.full.f32): the scale may
-    differ from the reference's by an ulp or two, and bytes on a rounding boundary with it."""
+    on the compiled norm output to within one e4m3 step.  Not bit for bit: Inductor divides
+    approximately (div.full.f32), and inside one kernel it may quantise the norm's fp32 value
+    without first rounding it to the bf16 it stores (``emulate_precision_casts`` is off), which
+    moves the amax by up to 2**-9 and flips bytes near e4m3 rounding boundaries (~1 in 16)."""
     from torch._inductor.utils import run_and_get_code
 
     from speedrun.kernels.fp8_cache import quantize_current_graph, quantize_current_reference
@@ -330,10 +332,11 @@ def test_quantize_current_graph_fuses_into_the_norm_at_record_shape():
     x = (torch.randn(49152, 768, device=DEV, generator=g) * (1 + 4 * torch.rand(49152, 1, device=DEV, generator=g))).bfloat16()
     (h, q, s), code = run_and_get_code(torch.compile(norm_then_quantise, fullgraph=True), x)
     rq, _, rs = quantize_current_reference(h, transposed=False)
-    assert abs(s.item() / rs.item() - 1) < 3e-7, (s.item(), rs.item())
+    assert abs(s.item() / rs.item() - 1) < 2**-8, (s.item(), rs.item())
     same = (q.view(torch.uint8) == rq.view(torch.uint8)).float().mean().item()
-    assert same > 0.999, same
-    assert ((q.float() - rq.float()).abs() <= rq.float().abs() * 0.126 + 1e-30).all()  # one e4m3 step at most
+    assert same > 0.85, same
+    # one e4m3 step at most (relative 2**-3 among normals, 2**-9 units among subnormals)
+    assert ((q.float() - rq.float()).abs() <= rq.float().abs() * 0.126 + 2**-9).all()
     kernels = re.findall(r"async_compile\.triton\('(\w+)', '''(.*?)'''", "\n".join(code), re.S)
     assert kernels, "no Triton kernel found in Inductor's output:\n" + "\n".join(code)[:2000]
     fused = [name for name, src in kernels if "rsqrt" in src and "abs" in src]
