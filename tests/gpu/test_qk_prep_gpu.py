@@ -139,7 +139,7 @@ def test_compiled_candidate_hands_every_layer_its_e5m2_gradient():
     T = 512
     batch = SimpleNamespace(inputs=torch.randint(0, 257, (T,), generator=g, dtype=torch.int32).cuda(),
                             targets=torch.randint(0, 257, (T,), generator=g).cuda(),
-                            cu_seqlens=torch.tensor([0, 200, T, T], dtype=torch.int32).cuda(), max_seqlen=T, bigram=None)
+                            cu_seqlens=torch.tensor([0, 200, T], dtype=torch.int32).cuda(), max_seqlen=T, bigram=None)
     losses = {k: [] for k in models}
     for step in range(3):
         for name, m in models.items():
