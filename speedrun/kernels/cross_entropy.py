@@ -670,10 +670,8 @@ def _scale_rows_kernel(x_ptr, s_ptr, n_rows, n_cols, ROUND_BF16: tl.constexpr, B
     mask = (r[:, None] < n_rows) & (c[None, :] < n_cols)
     ptrs = x_ptr + r[:, None] * n_cols + c[None, :]
     v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * tl.load(s_ptr + r, mask=r < n_rows, other=0.0)[:, None]
-    if ROUND_BF16:  # the interpreter's fp32 -> bf16 cast truncates: round to nearest even first
-        bits = v.to(tl.int32, bitcast=True)
-        v = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    tl.store(ptrs, v.to(x_ptr.dtype.element_ty), mask=mask)
+    # ROUND_BF16: the interpreter's fp32 -> bf16 cast truncates, so round to nearest even first
+    tl.store(ptrs, _grad_cast(v, x_ptr, False, False, ROUND_BF16), mask=mask)
 
 
 def _check_scale_rows(x: torch.Tensor, row_scale: torch.Tensor, name: str) -> None:
@@ -814,7 +812,9 @@ def softcapped_ce_fwd_bwd(
 
     store_t = dlogits_t_out is not None
     if block_v is None:
-        block_v = _default_block_v(v_pad) if not store_t or interpreting() else min(TRANSPOSED_BLOCK_V, _default_block_v(v_pad))
+        block_v = _default_block_v(v_pad)
+        if store_t and not interpreting():
+            block_v = min(block_v, TRANSPOSED_BLOCK_V)
     block_v = int(block_v)
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
@@ -834,7 +834,6 @@ def softcapped_ce_fwd_bwd(
     fp8_bits = store_t and grad_dtype == torch.float8_e5m2
     grad_arg = dlogits_out.view(torch.uint8) if fp8_bits else dlogits_out
     grad_t_arg = (dlogits_t_out.view(torch.uint8) if fp8_bits else dlogits_t_out) if store_t else grad_arg
-    consts = grid_constants(torch.float8_e5m2)
     with launch_note("_ce_fwd_bwd_kernel", reads=(logits, targets, prefix_targets),
                      writes=(dlogits_out, dlogits_t_out, losses_out)):
         launch(_ce_fwd_bwd_kernel, (programs,),
@@ -869,10 +868,7 @@ def softcapped_ce_fwd_bwd(
             TANH_ASM=sigmoid == "tanh" and hardware_tanh(device),
             STORE_T=store_t,
             FP8_BITS=fp8_bits,
-            MANT=consts["MANT"],
-            EMIN=consts["EMIN"],
-            SUB_C=consts["SUB_C"],
-            MIN_NORMAL=consts["MIN_NORMAL"],
+            **grid_constants(torch.float8_e5m2),  # MANT, EMIN, SUB_C, MIN_NORMAL of FP8_BITS
             BLOCK_M=block_m,
             BLOCK_V=block_v,
             num_warps=num_warps,
