@@ -6,7 +6,9 @@ times a list of block configs per kernel and shape and prints the best (candidat
 Prints one table (median ms by triton.testing.do_bench, and speedup = torch / triton) and writes
 ``polar_express_bench.json`` to ``$OUT`` (default ``./bench_out``).  The torch baselines are what a
 plain implementation would run: ``torch.bmm`` for the Gram matrices, ``torch.baddbmm`` for
-b*A + c*A@A, and the whole Polar Express with those in place of the Triton kernels.
+b*A + c*A@A, and the whole Polar Express with those in place of the Triton kernels; row
+``pe_fold_aX`` times the iteration with ``a X`` folded into the polynomial (the default) against
+the same kernels followed by ``baddbmm`` (whose separate output is first filled with a copy of X).
 """
 
 from __future__ import annotations
@@ -68,6 +70,24 @@ def sweep() -> list[dict]:
     return results
 
 
+def _iterate_with_baddbmm(pe, X):
+    """Polar Express's iteration as it ran before the a X fold: Triton Gram and polynomial
+    kernels, then ``a X + X P`` by ``baddbmm`` into a second buffer."""
+    tall = X.size(-2) > X.size(-1)
+    n = X.size(-1) if tall else X.size(-2)
+    gram = torch.empty((X.size(0), n, n), device=X.device, dtype=torch.bfloat16)
+    poly, nxt = torch.empty_like(gram), torch.empty_like(X)
+    for a, b, c in pe.POLAR_EXPRESS_COEFFS:
+        (pe.xtx if tall else pe.xxt)(X, gram)
+        pe.ba_plus_caa(gram, c, b, poly)
+        if tall:
+            torch.baddbmm(X, X, poly, beta=a, out=nxt)
+        else:
+            torch.baddbmm(X, poly, X, beta=a, out=nxt)
+        X, nxt = nxt, X
+    return X
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("bench_polar_express: needs a CUDA GPU", file=sys.stderr)
@@ -119,6 +139,11 @@ def main() -> int:
         flops = 5 * B * (2 * small * small * big * 2 + 2 * small**3)  # gram + X@B, plus B = A@A
         bench("polar_express", shape, lambda: pe.polar_express(G, use_triton=True),
               lambda: pe.polar_express(G, use_triton=False), flops)
+        # a X folded into the polynomial (bmm) against the same Triton kernels with a baddbmm,
+        # which first copies X into its output: "torch" here is the unfolded form
+        X = pe.polar_express_normalize(G)
+        bench("pe_fold_aX", shape, lambda: pe.polar_express_iterate(X.clone(), use_triton=True),
+              lambda: _iterate_with_baddbmm(pe, X.clone()), flops)
 
     header = (f"{'op':<14} {'shape':<18} {'triton ms':>10} {'torch ms':>9} {'x':>5} | {'graph: triton':>13} "
               f"{'torch':>8} {'x':>5} {'TFLOP/s':>8}")

@@ -3,7 +3,10 @@
 Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932) approximates the polar factor
 ``U V^T`` of ``G = U S V^T`` with a fixed number of odd matrix polynomials ``X <- a X + b (XX^T) X
 + c (XX^T)^2 X``.  Each iteration needs one Gram matrix (``X X^T`` for wide X, ``X^T X`` for tall X),
-one symmetric "b*A + c*A@A" and one general GEMM.  The Gram matrix and ``A@A`` are symmetric, so
+one symmetric "b*A + c*A@A" and one general GEMM.  The ``a X`` term rides in the symmetric
+product's diagonal (``X (aI + bA + cA^2)``), so the general GEMM is a plain ``bmm``: a
+``baddbmm`` into a separate output first copies its addend there (a bank-sized device copy per
+iteration) and then reads it again.  The Gram matrix and ``A@A`` are symmetric, so
 the Triton kernels here compute only the tiles on or above the diagonal and store each tile twice
 (itself and its mirror), which halves the FLOPs of those two products.
 
@@ -12,8 +15,8 @@ accumulate in fp32 and write ``out``'s dtype):
 
 - :func:`xxt` ``(A (B, M, K) or (M, K), out (B, M, M) or (M, M)) -> out``: ``out = A @ A^T``.
 - :func:`xtx` ``(A (B, M, K) or (M, K), out (B, K, K) or (K, K)) -> out``: ``out = A^T @ A``.
-- :func:`ba_plus_caa` ``(A (B, M, M) symmetric, alpha, beta, out) -> out``:
-  ``out = alpha * A @ A^T + beta * A``.
+- :func:`ba_plus_caa` ``(A (B, M, M) symmetric, alpha, beta, out, diag=0) -> out``:
+  ``out = alpha * A @ A^T + beta * A + diag * I``.
 
 Dispatch: Triton on CUDA tensors; the references on CPU unless ``use_triton=True`` is forced, which
 on CPU needs ``TRITON_INTERPRET=1`` set before this module is imported (the CPU tests do that at
@@ -202,7 +205,7 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _ba_plus_caa_kernel(
-        a_ptr, c_ptr, M, alpha, beta,
+        a_ptr, c_ptr, M, alpha, beta, diag,
         sa_b, sa_r, sa_c, sc_b, sc_r, sc_c,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         INTERPRET: tl.constexpr,
@@ -220,6 +223,7 @@ if _HAVE_TRITON:
         tile = tl.load(a_base + offs_r[:, None] * sa_r + offs_c[None, :] * sa_c,
                        mask=(offs_r[:, None] < M) & (offs_c[None, :] < M), other=0.0)
         acc = acc * alpha + tile.to(tl.float32) * beta
+        acc += tl.where(offs_r[:, None] == offs_c[None, :], diag, 0.0)
         _store_sym(c_ptr + batch * sc_b, acc, offs_r, offs_c, M, sc_r, sc_c)
 
 
@@ -378,8 +382,9 @@ def _check_square(name: str, A: Tensor) -> None:
         raise ValueError(f"{name}: A must be square (symmetric), got shape {tuple(A.shape)}")
 
 
-def ba_plus_caa(A: Tensor, alpha: float, beta: float, out: Tensor) -> Tensor:
-    """``out = alpha * A @ A^T + beta * A`` with Triton, for symmetric A of shape (M, M) or (B, M, M).
+def ba_plus_caa(A: Tensor, alpha: float, beta: float, out: Tensor, diag: float = 0.0) -> Tensor:
+    """``out = alpha * A @ A^T + beta * A + diag * I`` with Triton, for symmetric A of shape (M, M)
+    or (B, M, M); fp32 accumulation, one rounding to ``out``'s dtype.
 
     Only the upper-triangle tiles are computed; the result is exact only if A is symmetric.
     """
@@ -387,15 +392,16 @@ def ba_plus_caa(A: Tensor, alpha: float, beta: float, out: Tensor) -> Tensor:
     _check("ba_plus_caa", A, out, tuple(A.shape))
     _check_triton("ba_plus_caa", A, out)
     return _launch_sym(_ba_plus_caa_kernel, "ba_plus_caa", A, out, A.shape[-1], A.shape[-1],
-                       float(alpha), float(beta))
+                       float(alpha), float(beta), float(diag))
 
 
-def ba_plus_caa_reference(A: Tensor, alpha: float, beta: float, out: Tensor) -> Tensor:
-    """Plain-PyTorch ``out = alpha * A @ A^T + beta * A`` (fp32 accumulate), same shapes."""
+def ba_plus_caa_reference(A: Tensor, alpha: float, beta: float, out: Tensor, diag: float = 0.0) -> Tensor:
+    """Plain-PyTorch ``out = alpha * A @ A^T + beta * A + diag * I`` (fp32 accumulate), same shapes."""
     _check_square("ba_plus_caa", A)
     _check("ba_plus_caa", A, out, tuple(A.shape))
     a = A.float()
-    out.copy_(alpha * (a @ a.mT) + beta * a)
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    out.copy_(alpha * (a @ a.mT) + beta * a + diag * eye)
     return out
 
 
@@ -470,7 +476,8 @@ def polar_express_iterate(X: Tensor, steps: int = 5, use_triton: bool | None = N
     """The Polar Express iteration on an already normalised batch (see :func:`polar_express`).
 
     X: contiguous bf16 (B, rows, cols), each matrix's spectral norm at most 1 (the output of
-    :func:`polar_express_normalize`).  Returns a new bf16 tensor of X's shape.
+    :func:`polar_express_normalize`).  Returns a bf16 tensor of X's shape; X itself serves as
+    the iteration's second buffer, so its contents are overwritten when ``steps`` >= 2.
     """
     if X.ndim != 3 or X.dtype != torch.bfloat16 or not X.is_contiguous() or X.numel() == 0:
         raise ValueError(f"polar_express_iterate: X must be a non-empty contiguous bf16 (B, rows, cols) tensor, "
@@ -483,18 +490,22 @@ def polar_express_iterate(X: Tensor, steps: int = 5, use_triton: bool | None = N
     gram = torch.empty((X.size(0), n, n), device=X.device, dtype=torch.bfloat16)
     poly = torch.empty_like(gram)
     nxt = torch.empty_like(X)
-    if triton_path:
-        gram_fn, poly_fn = (xtx if tall else xxt), ba_plus_caa
-    else:  # plain bf16 batched GEMMs: the fast fallback where Triton is not available
-        gram_fn = _gram_bmm_tall if tall else _gram_bmm_wide
-        poly_fn = _poly_bmm
+    gram_fn = (xtx if tall else xxt) if triton_path else (_gram_bmm_tall if tall else _gram_bmm_wide)
     for a, b, c in POLAR_EXPRESS_COEFFS[:steps]:
         gram_fn(X, gram)
-        poly_fn(gram, c, b, poly)  # poly = b*A + c*A@A
-        if tall:
-            torch.baddbmm(X, X, poly, beta=a, out=nxt)  # a*X + X @ poly
-        else:
-            torch.baddbmm(X, poly, X, beta=a, out=nxt)  # a*X + poly @ X
+        if triton_path:  # a X folded into the polynomial, rounded once in the kernel's fp32 epilogue
+            ba_plus_caa(gram, c, b, poly, diag=a)  # poly = a*I + b*A + c*A@A
+            if tall:
+                torch.bmm(X, poly, out=nxt)
+            else:
+                torch.bmm(poly, X, out=nxt)
+        else:  # plain bf16 batched GEMMs, the fallback where Triton is not available; folding a
+            # here would round the polynomial twice
+            _poly_bmm(gram, c, b, poly)  # poly = b*A + c*A@A
+            if tall:
+                torch.baddbmm(X, X, poly, beta=a, out=nxt)  # a*X + X @ poly
+            else:
+                torch.baddbmm(X, poly, X, beta=a, out=nxt)  # a*X + poly @ X
         X, nxt = nxt, X
     return X
 

@@ -57,6 +57,12 @@ def test_ba_plus_caa_record_shapes(shape):
     ref = pe.ba_plus_caa_reference(A, 0.5, -2.5, torch.empty_like(out))
     assert not out.isnan().any()
     assert rel(out, ref) < 1e-2
+    # with Polar Express's a X term on the diagonal (its first step's a)
+    out = poisoned(shape)
+    pe.ba_plus_caa(A, 0.5, -2.5, out, diag=8.156554524902461)
+    ref = pe.ba_plus_caa_reference(A, 0.5, -2.5, torch.empty_like(out), diag=8.156554524902461)
+    assert not out.isnan().any()
+    assert rel(out, ref) < 1e-2
 
 
 def test_fp32_output_and_2d_input():
