@@ -185,6 +185,11 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per step on each rank; 0 = 8 // world_size (the record's rule)
     window: int = 0  # sliding attention window in tokens for the core model; 0 = whole document
     max_docs: int = 0  # cu_seqlens entries per micro-batch; 0 = the loader's default for the shape
+    # Merge consecutive micro-batches of a rank until each holds at least this many tokens (fewer
+    # accumulation steps of more tokens, the same tokens per optimizer step; 0 = the record's
+    # split).  A step whose host work per micro-batch outlasts the GPU's (the record's stage 1 on
+    # one GPU: 8 micro-batches of 16,384 tokens) then waits less.  See train.loop.micro_batching.
+    min_micro_batch_tokens: int = 0
     # "trapezoid": AdamW + warmup/flat/cooldown over `stages`; "record": the record's staged schedule
     # (RecordSchedule) with NorMuon + Adam, `steps` = scheduled + `num_extension`.
     schedule: str = "trapezoid"

@@ -200,9 +200,11 @@ def test_bench_stage_selection_and_errors(tmp_path, capsys):
     args = ["bench", "step", "--arm", "a=tiny", "--stage", "1", "--steps", "20", "--warmup", "0",
             "--json", str(out), "--set", stages, "--set", "train.grad_accum=2"]
     args += [x for s in SMALL for x in ("--set", s)]
-    assert main(args) == 0
-    arm = json.loads(out.read_text())["arms"][0]
+    assert main(args + ["--arm", "m=tiny:train.min_micro_batch_tokens=1024"]) == 0
+    arm, merged = json.loads(out.read_text())["arms"]
     assert arm["stage"]["max_seq_len"] == 128 and arm["stage"]["batch_tokens"] == 1024 and arm["grad_accum"] == 2
+    assert arm["micro_batch_tokens"] == 512
+    assert (merged["grad_accum"], merged["micro_batch_tokens"]) == (1, 1024)  # both chunks in one micro-batch
     capsys.readouterr()
     assert main(args[:4] + ["--stage", "2"] + args[6:]) == 2
     assert "out of range" in capsys.readouterr().err

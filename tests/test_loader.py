@@ -114,6 +114,61 @@ def test_world_size_equivalence(shards, world_size):
             loader.close()
 
 
+@pytest.mark.parametrize("world_size,merge", [(1, 2), (1, 4), (2, 2), (3, 3)])
+def test_merged_batches_are_consecutive_chunks_end_to_end(shards, world_size, merge):
+    """A merged batch is this rank's next ``merge`` unmerged batches laid end to end: the same
+    tokens, segment starts shifted by each chunk's offset, bigram ids per chunk, padding to
+    ``merge * max_docs + 1``; ranks interleave per micro-step as without merging."""
+    files, _ = shards
+    T, L, max_docs = 200, 64, 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for r in range(world_size):
+            plain = TrainLoader(files, T, L, rank=r, world_size=world_size, bos_id=BOS, max_docs=max_docs,
+                                prefetch=False, bigram_mod=97)
+            merged = TrainLoader(files, T, L, rank=r, world_size=world_size, bos_id=BOS, max_docs=max_docs,
+                                 prefetch=(r % 2 == 0), bigram_mod=97, merge=merge)
+            for _ in range(5):
+                parts = [plain.next_batch() for _ in range(merge)]
+                b = merged.next_batch()
+                _check_batch(b, merge * T, L, merge * max_docs)
+                assert torch.equal(b.inputs, torch.cat([p.inputs for p in parts]))
+                assert torch.equal(b.targets, torch.cat([p.targets for p in parts]))
+                assert torch.equal(b.bigram, torch.cat([p.bigram for p in parts]))
+                starts = torch.cat([p.cu_seqlens[: p.num_docs] + j * T for j, p in enumerate(parts)])
+                assert b.num_docs == sum(p.num_docs for p in parts)
+                assert torch.equal(b.cu_seqlens[: b.num_docs], starts)
+                assert b.max_seqlen == L
+            assert merged.state_dict()["merge"] == merge
+            assert (merged.merged_batches > 0) == (plain.merged_batches > 0)
+            plain.close(), merged.close()
+
+
+def test_merged_loader_resumes_and_changes_shape(shards):
+    files, _ = shards
+    a = TrainLoader(files, 128, 64, world_size=2, rank=0, bos_id=BOS, prefetch=True, merge=2)
+    for _ in range(3):
+        a.next_batch()
+    state = a.state_dict()
+    rest = [a.next_batch() for _ in range(4)]
+    b = TrainLoader(files, 128, 64, world_size=2, rank=0, bos_id=BOS, prefetch=False)  # merge 1 until loaded
+    b.load_state_dict(state)
+    assert b.merge == 2
+    for want in rest:
+        got = b.next_batch()
+        assert torch.equal(got.inputs, want.inputs) and torch.equal(got.cu_seqlens, want.cu_seqlens)
+    b.set_shape(256, 64, merge=1)  # a stage transition back to unmerged batches
+    assert b.next_batch().inputs.shape == (256,)
+    legacy = dict(state)
+    del legacy["merge"]  # a state saved before merging existed
+    b.load_state_dict(legacy)
+    assert b.merge == 1
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="merge"):
+            b.set_shape(128, 64, merge=bad)
+    a.close(), b.close()
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_state_dict_resume(shards, prefetch):
     files, _ = shards

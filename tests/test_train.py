@@ -51,11 +51,14 @@ def test_tiny_run_learns_and_writes_its_folder(tmp_path):
     assert json.loads((d / "summary.json").read_text())["final_val_loss"] == pytest.approx(vals[-1])
 
 
-def test_resume_after_kill_equals_uninterrupted_run(tmp_path):
-    cfg = small_cfg(tmp_path, steps=12, val_every=0, checkpoint_every=4)
+@pytest.mark.parametrize("merge", [False, True])
+def test_resume_after_kill_equals_uninterrupted_run(tmp_path, merge):
+    # merge: two micro-batches of 512 tokens taken as one of 1,024 (train.min_micro_batch_tokens)
+    extra = dict(grad_accum=2, min_micro_batch_tokens=1024) if merge else {}
+    cfg = small_cfg(tmp_path, steps=12, val_every=0, checkpoint_every=4, **extra)
     whole = train(cfg, console=False)
     # The same run, killed right after its step-8 checkpoint, then resumed.
-    cut = train(small_cfg(tmp_path, steps=12, val_every=0, checkpoint_every=4), console=False, stop_after=8)
+    cut = train(small_cfg(tmp_path, steps=12, val_every=0, checkpoint_every=4, **extra), console=False, stop_after=8)
     assert cut.stopped_early
     assert [p.name for p in list_checkpoints(cut.run_dir)][-1] == "step_000008.pt"
     resumed = train(cfg, run_dir=cut.run_dir, resume=True, console=False)
@@ -112,3 +115,71 @@ def test_model_vocab_wider_than_tokenizer_is_refused_before_training(tmp_path):
     with pytest.raises(ConfigError, match="tokenizer bytes has 257 ids but model.vocab_size is 50257"):
         train(cfg, console=False)
     assert not list(tmp_path.rglob("log.txt")), "refused before a run folder was written"
+
+
+def test_micro_batching_merges_by_the_smallest_sufficient_divisor():
+    from speedrun.train.loop import MicroBatching, micro_batching
+
+    cfg = preset("record")  # 8 micro-batches on one GPU: chunks of 16,384 / 32,768 / 49,152 tokens
+    stages = [Stage(0, 131072, 2048, 128, 384), Stage(1, 262144, 2048, 128, 384), Stage(2, 393216, 2048, 128, 384)]
+    plans = lambda world: [micro_batching(s, cfg, world) for s in stages]  # noqa: E731
+    assert plans(1) == [MicroBatching(16384, 1, 8), MicroBatching(32768, 1, 8), MicroBatching(49152, 1, 8)]
+    cfg.train.min_micro_batch_tokens = 49152
+    assert plans(1) == [MicroBatching(16384, 4, 2), MicroBatching(32768, 2, 4), MicroBatching(49152, 1, 8)]
+    assert [p.tokens for p in plans(1)] == [65536, 65536, 49152]
+    cfg.train.min_micro_batch_tokens = 40000  # 3 chunks would do, but 3 does not divide 8
+    assert plans(1)[0] == MicroBatching(16384, 4, 2)
+    assert plans(2)[0] == MicroBatching(16384, 4, 1)  # 2 ranks: 4 chunks each, all merged
+    assert plans(8)[0] == MicroBatching(16384, 1, 1)  # 8 ranks: nothing to merge
+    cfg.train.min_micro_batch_tokens = 10**9  # more than a whole step: one micro-batch per rank
+    assert plans(1)[2] == MicroBatching(49152, 8, 1)
+    for bad in (-1, 1.5, True):
+        cfg.train.min_micro_batch_tokens = bad
+        with pytest.raises(ConfigError, match="min_micro_batch_tokens"):
+            micro_batching(stages[0], cfg, 1)
+
+
+def _one_step_grads(cfg):
+    """Gradients of one training step (optimizer not applied) and its mean loss."""
+    from speedrun import distributed
+    from speedrun.data import TrainLoader
+    from speedrun.model import build_model
+    from speedrun.train.loop import micro_batching, resolve_data, run_step
+    from speedrun.train.recipes import build_recipe
+
+    info = distributed.DistInfo()
+    train_files, _, tokenizer = resolve_data(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    recipe = build_recipe(cfg, model, info, tokenizer)
+    recipe.optimizer_step = lambda step: None
+    plan = micro_batching(recipe.stages[0], cfg, 1)
+    with TrainLoader(train_files, plan.chunk, recipe.stages[0].max_seq_len, bos_id=cfg.data.bos_id,
+                     prefetch=False, merge=plan.merge) as loader:
+        loss = run_step(model, recipe, loader, 0, cfg, info, torch.float32)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, float(loss), plan
+
+
+def test_merged_micro_batches_give_the_same_step(tmp_path):
+    """Four micro-batches as two of twice the tokens: the same tokens, so the same mean loss and
+    gradients (the core model attends within documents and has no cross-position mixing; up to
+    the order of the sums)."""
+    base = small_cfg(tmp_path, grad_accum=4, batch_tokens=2048)
+    merged = small_cfg(tmp_path, grad_accum=4, batch_tokens=2048, min_micro_batch_tokens=1024)
+    g0, loss0, plan0 = _one_step_grads(base)
+    g1, loss1, plan1 = _one_step_grads(merged)
+    assert (plan0.count, plan0.tokens, plan1.count, plan1.tokens) == (4, 512, 2, 1024)
+    assert loss1 == pytest.approx(loss0, rel=1e-5)
+    assert g0.keys() == g1.keys() and g0
+    for k in g0:
+        assert torch.allclose(g1[k], g0[k], rtol=1e-4, atol=1e-7), k
+
+
+def test_record_recipe_trains_with_merged_micro_batches(tmp_path):
+    cfg = preset("tiny-record")
+    apply_overrides(cfg, ["train.steps=12", "train.grad_accum=4", "train.min_micro_batch_tokens=1024",
+                          "train.val_every=0", "train.sample_tokens=0", f"out_dir={tmp_path / 'runs'}"])
+    result = train(cfg, console=False)
+    log = (result.run_dir / "log.txt").read_text()
+    assert "micro-batches per step by stage (train.min_micro_batch_tokens=1024): 2 x 1024" in log
+    assert result.final_val_loss == result.final_val_loss and result.final_val_loss < 6.0

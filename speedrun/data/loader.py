@@ -19,6 +19,14 @@ Each micro-step, rank ``r`` of ``W`` gets one *chunk* of exactly ``T + 1`` token
 ``cu_seqlens`` holds the document starts in ``[0, T)`` and then ``T``, padded with ``T`` (empty
 documents) to a fixed length ``max_docs + 1`` so compiled shapes stay static.
 
+Merged micro-batches (``merge = m > 1``): one batch is this rank's next ``m`` chunks, built by the
+rules above (so the tokens, the document cuts and the segments are those of ``m`` unmerged
+batches), laid end to end: ``m * T`` inputs and targets, each chunk's segments shifted by its
+offset (a chunk edge is always a segment edge), ``cu_seqlens`` padded to ``m * max_docs + 1``,
+bigram ids computed per chunk.  Under ``W`` ranks the stream advances ``W * m`` chunks per batch,
+rank ``r`` taking chunk ``r`` of each group of ``W``: the batches of ``m`` unmerged micro-steps.
+A training step that accumulates fewer, merged micro-batches therefore sees the same tokens.
+
 Too many documents: a chunk of many very short documents can have more than ``max_docs`` of
 them.  Then neighbouring documents are merged into one attention segment (right to left, never
 making a segment longer than ``max_seq_len``) until ``max_docs`` segments remain.  No token is
@@ -154,18 +162,21 @@ def _fit_segments(bounds: np.ndarray, max_docs: int, cap: int) -> np.ndarray:
     return out
 
 
-def _host_arrays(chunk: np.ndarray, bounds: np.ndarray, max_docs: int, bigram_mod: int | None,
+def _host_arrays(chunks: list[np.ndarray], bounds: list[np.ndarray], max_docs: int, bigram_mod: int | None,
                  pin: bool) -> dict[str, torch.Tensor | None]:
-    """CPU tensors of a batch (pinned if ``pin``).  chunk: (T+1,) uint16 tokens; bounds: (n+1,)
-    segment edges in [0, T] after merging."""
-    T = len(chunk) - 1
-    cu = np.full(max_docs + 1, T, dtype=np.int32)
-    cu[: len(bounds)] = bounds
+    """CPU tensors of a batch of ``m = len(chunks)`` chunks laid end to end (pinned if ``pin``).
+    chunks: (T+1,) uint16 tokens each; bounds: each chunk's (n+1,) segment edges in [0, T] after
+    fitting to ``max_docs``; ``cu_seqlens`` gets ``m * max_docs + 1`` entries."""
+    T = len(chunks[0]) - 1
+    m = len(chunks)
+    starts = np.concatenate([b[:-1] + j * T for j, b in enumerate(bounds)])
+    cu = np.full(m * max_docs + 1, m * T, dtype=np.int32)
+    cu[: len(starts)] = starts
     arrays = {
-        "inputs": chunk[:-1].astype(np.int32),
-        "targets": chunk[1:].astype(np.int64),
+        "inputs": np.concatenate([c[:-1] for c in chunks]).astype(np.int32),
+        "targets": np.concatenate([c[1:] for c in chunks]).astype(np.int64),
         "cu_seqlens": cu,
-        "bigram": None if bigram_mod is None else _bigram_np(chunk[:-1], bigram_mod),
+        "bigram": None if bigram_mod is None else np.concatenate([_bigram_np(c[:-1], bigram_mod) for c in chunks]),
     }
     out = {k: None if a is None else torch.from_numpy(a) for k, a in arrays.items()}
     if pin:
@@ -295,14 +306,16 @@ class TrainLoader:
     files: shards in stream order.  tokens_per_rank: T, input tokens per micro-batch.
     max_seq_len: document cap in tokens.  bos_id: the BOS token.  vocab_size: if given, every
     shard is checked to have ids < vocab_size.  max_docs: fixed ``cu_seqlens`` length - 1
-    (default :func:`default_max_docs`).  prefetch: build the next batch and load the next shard
+    per chunk (default :func:`default_max_docs`).  merge: chunks per batch (see the module doc);
+    batches then hold ``merge * tokens_per_rank`` tokens.  prefetch: build the next batch and load the next shard
     on background threads.  device: where batches are returned.  bigram_mod: if given, batches
     carry ``bigram_hash(inputs, bigram_mod)``.
     """
 
     def __init__(self, files: list[Path], tokens_per_rank: int, max_seq_len: int, *, rank: int = 0,
                  world_size: int = 1, bos_id: int, vocab_size: int | None = None, max_docs: int | None = None,
-                 prefetch: bool = True, device: str | torch.device = "cpu", bigram_mod: int | None = None):
+                 prefetch: bool = True, device: str | torch.device = "cpu", bigram_mod: int | None = None,
+                 merge: int = 1):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if bigram_mod is not None and bigram_mod <= 0:
@@ -322,14 +335,17 @@ class TrainLoader:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="speedrun-batch") if prefetch else None
         self._pending: tuple[tuple, concurrent.futures.Future] | None = None
         self._pos = _Pos(0, 0, 0)
-        self.set_shape(tokens_per_rank, max_seq_len, max_docs)
+        self.set_shape(tokens_per_rank, max_seq_len, max_docs, merge)
 
     # -- shape and state ------------------------------------------------------------------------
 
-    def set_shape(self, tokens_per_rank: int, max_seq_len: int, max_docs: int | None = None) -> None:
-        """Change T, the document cap and ``max_docs`` from the next batch on (stage transitions)."""
+    def set_shape(self, tokens_per_rank: int, max_seq_len: int, max_docs: int | None = None, merge: int = 1) -> None:
+        """Change T, the document cap, ``max_docs`` and ``merge`` from the next batch on (stage
+        transitions)."""
         if tokens_per_rank < 1 or max_seq_len < 1:
             raise ValueError(f"tokens_per_rank ({tokens_per_rank}) and max_seq_len ({max_seq_len}) must be positive")
+        if isinstance(merge, bool) or not isinstance(merge, int) or merge < 1:
+            raise ValueError(f"merge (chunks per batch) must be a positive int, got {merge!r}")
         lo = min_max_docs(tokens_per_rank, max_seq_len)
         if max_docs is None:
             max_docs = default_max_docs(tokens_per_rank, max_seq_len)
@@ -340,6 +356,7 @@ class TrainLoader:
             )
         self._discard_pending()
         self.tokens_per_rank, self.max_seq_len, self.max_docs = int(tokens_per_rank), int(max_seq_len), int(max_docs)
+        self.merge = merge
 
     def state_dict(self) -> dict:
         """Position of the next batch :meth:`next_batch` returns (prefetched ones don't count)."""
@@ -352,6 +369,7 @@ class TrainLoader:
             "tokens_per_rank": self.tokens_per_rank,
             "max_seq_len": self.max_seq_len,
             "max_docs": self.max_docs,
+            "merge": self.merge,
             "world_size": self.world_size,
         }
 
@@ -368,15 +386,16 @@ class TrainLoader:
         shard, doc = int(state["shard"]), int(state["doc"])
         if not 0 <= shard < len(self.files) or doc < 0 or doc > self._store.get(shard).num_docs:
             raise DataError(f"loader state position shard={shard} doc={doc} is outside the training files")
-        self.set_shape(int(state["tokens_per_rank"]), int(state["max_seq_len"]), int(state["max_docs"]))
+        self.set_shape(int(state["tokens_per_rank"]), int(state["max_seq_len"]), int(state["max_docs"]),
+                       int(state.get("merge", 1)))
         self._pos = _Pos(int(state["epoch"]), shard, doc)
         self.epochs_completed = self._pos.epoch
 
     # -- batches ----------------------------------------------------------------------------------
 
     def next_batch(self) -> Batch:
-        """The next micro-batch of this rank; advances the stream by ``world_size`` chunks."""
-        key = (self._pos, self.tokens_per_rank, self.max_seq_len, self.max_docs)
+        """The next micro-batch of this rank; advances the stream by ``world_size * merge`` chunks."""
+        key = (self._pos, self.tokens_per_rank, self.max_seq_len, self.max_docs, self.merge)
         if self._pending is not None and self._pending[0] == key:
             fut = self._pending[1]
             self._pending = None
@@ -387,7 +406,7 @@ class TrainLoader:
         self._pos = next_pos
         self._note(merged, cycled)
         if self._pool is not None:
-            nkey = (self._pos, self.tokens_per_rank, self.max_seq_len, self.max_docs)
+            nkey = (self._pos, self.tokens_per_rank, self.max_seq_len, self.max_docs, self.merge)
             self._pending = (nkey, self._pool.submit(self._produce, *nkey))
         return _to_batch(host, num_docs, self.max_seq_len, self.device)
 
@@ -468,17 +487,31 @@ class TrainLoader:
         self._store.prefetch((pos.shard + 1) % len(self.files))
         return pieces, pos
 
-    def _produce(self, pos: _Pos, T: int, L: int, max_docs: int):
-        """Build this rank's batch (CPU tensors) for the step starting at pos.
+    def _produce(self, pos: _Pos, T: int, L: int, max_docs: int, merge: int):
+        """Build this rank's batch (CPU tensors) of ``merge`` chunks starting at pos.
 
         Returns (host tensors, segments, next position, whether documents were merged, whether
         the stream wrapped around)."""
         start_epoch = pos.epoch
-        mine = None
-        for r in range(self.world_size):
-            pieces, pos = self._plan(pos, T, L)
-            if r == self.rank:
-                mine = pieces
+        chunks, segments = [], []
+        for _ in range(merge):
+            mine = None
+            for r in range(self.world_size):
+                pieces, pos = self._plan(pos, T, L)
+                if r == self.rank:
+                    mine = pieces
+            chunk, bounds = self._chunk(mine, T, L)
+            chunks.append(chunk)
+            segments.append((bounds, _fit_segments(bounds, max_docs, L)))
+        host = _host_arrays(chunks, [fitted for _, fitted in segments], max_docs, self.bigram_mod,
+                            pin=self.device.type == "cuda")
+        num_docs = sum(len(fitted) - 1 for _, fitted in segments)
+        merged = any(len(fitted) != len(bounds) for bounds, fitted in segments)
+        return host, num_docs, pos, merged, pos.epoch != start_epoch
+
+    @staticmethod
+    def _chunk(mine, T: int, L: int) -> tuple[np.ndarray, np.ndarray]:
+        """One chunk's (T+1,) tokens and its (n+1,) document edges in [0, T] from its pieces."""
         chunk_parts, len_parts = [], []
         for sh, d0, d1, tail in mine:
             lens = sh.capped(L)[d0:d1].copy()
@@ -491,10 +524,7 @@ class TrainLoader:
         chunk = np.concatenate(chunk_parts)
         lens = np.concatenate(len_parts)
         edges = np.concatenate(([0], np.cumsum(lens)))
-        bounds = np.append(edges[edges < T], T).astype(np.int64)
-        fitted = _fit_segments(bounds, max_docs, L)
-        host = _host_arrays(chunk, fitted, max_docs, self.bigram_mod, pin=self.device.type == "cuda")
-        return host, len(fitted) - 1, pos, len(fitted) != len(bounds), pos.epoch != start_epoch
+        return chunk, np.append(edges[edges < T], T).astype(np.int64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -576,7 +606,7 @@ class ValLoader:
         bos = np.flatnonzero(chunk[:T] == self.bos_id)
         bounds = np.concatenate(([0], bos[bos > 0], [T])).astype(np.int64)
         fitted = _fit_segments(bounds, self.max_docs, T)
-        host = _host_arrays(chunk, fitted, self.max_docs, self.bigram_mod, pin=self.device.type == "cuda")
+        host = _host_arrays([chunk], [fitted], self.max_docs, self.bigram_mod, pin=self.device.type == "cuda")
         return _to_batch(host, len(fitted) - 1, T, self.device)
 
     def __iter__(self) -> Iterator[Batch]:

@@ -106,7 +106,7 @@ def build_session(name: str, cfg: RunConfig, stage_index: int, info) -> Session:
     the way :func:`speedrun.train.loop.train` builds them."""
     from speedrun.data import TrainLoader
     from speedrun.model import build_model
-    from speedrun.train.loop import compile_model, configure_kernel_launch, resolve_data, tokens_per_rank
+    from speedrun.train.loop import compile_model, configure_kernel_launch, micro_batching, resolve_data
     from speedrun.train.recipes import build_recipe
 
     cfg.model.validate()
@@ -125,17 +125,17 @@ def build_session(name: str, cfg: RunConfig, stage_index: int, info) -> Session:
                           f"{len(stages)} stage(s) (0..{len(stages) - 1})")
     stage = stages[stage_index]
     stage_end = stages[stage_index + 1].start_step if stage_index + 1 < len(stages) else cfg.train.steps
-    per_rank = tokens_per_rank(stage, cfg, info.world_size)
+    plan = micro_batching(stage, cfg, info.world_size)
     if hasattr(model, "warm_tables"):  # RoPE tables must exist before compiling
-        recipe.max_tokens = per_rank
-        model.warm_tables(per_rank, device)
+        recipe.max_tokens = plan.tokens
+        model.warm_tables(plan.tokens, device)
     recipe.sync_to(stage.start_step)
     recipe.on_clock_start()
     run_model = compile_model(model, cfg)
-    loader = TrainLoader(train_files, per_rank, stage.max_seq_len, rank=info.rank, world_size=info.world_size,
+    loader = TrainLoader(train_files, plan.chunk, stage.max_seq_len, rank=info.rank, world_size=info.world_size,
                          bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size,
                          max_docs=cfg.train.max_docs or None, device=device,
-                         bigram_mod=getattr(model, "bigram_mod", None))
+                         bigram_mod=getattr(model, "bigram_mod", None), merge=plan.merge)
     return Session(name, cfg, stage, stage_end, model, run_model, recipe, loader, info, dtype)
 
 
@@ -353,7 +353,7 @@ def _host_side(sessions: Sequence[Session], info, host_steps: int, sync_scan: bo
 
 def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info, chains=(1,)) -> dict[str, Any]:
     from speedrun.evidence.fingerprint import node_fingerprint
-    from speedrun.train.loop import grad_accum_steps
+    from speedrun.train.loop import micro_batching
 
     base = series_name(sessions[0].name, chains[0], chains)
     out_arms = []
@@ -368,7 +368,9 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
                 "chain": c,
                 "stage": {"index": stage, "batch_tokens": st.batch_tokens, "max_seq_len": st.max_seq_len,
                           "window_short": st.window_short, "window_long": st.window_long},
-                "grad_accum": grad_accum_steps(cfg, info.world_size),
+                # micro-batches per step and their tokens (after train.min_micro_batch_tokens)
+                "grad_accum": micro_batching(st, cfg, info.world_size).count,
+                "micro_batch_tokens": micro_batching(st, cfg, info.world_size).tokens,
                 "compile": cfg.train.compile,
                 "dtype": str(s.dtype).replace("torch.", ""),
                 "parameters": sum(p.numel() for p in s.model.parameters()),

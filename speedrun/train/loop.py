@@ -98,12 +98,49 @@ def grad_accum_steps(cfg: RunConfig, world: int) -> int:
 
 
 def tokens_per_rank(stage: Stage, cfg: RunConfig, world: int) -> int:
+    """Input tokens of one unmerged micro-batch (a loader *chunk*): the stage's batch over the
+    ranks and :func:`grad_accum_steps`."""
     accum = grad_accum_steps(cfg, world)
     parts = world * accum
     if stage.batch_tokens % parts:
         raise ConfigError(f"batch of {stage.batch_tokens} tokens does not split over {world} ranks x "
                           f"{accum} accumulation steps")
     return stage.batch_tokens // parts
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How one rank splits a stage's optimizer step.
+
+    chunk: tokens of an unmerged micro-batch (:func:`tokens_per_rank`); merge: chunks per
+    micro-batch; count: micro-batches per step.  ``count * merge`` is always
+    :func:`grad_accum_steps`, so every arrangement sees the same tokens per step."""
+
+    chunk: int
+    merge: int
+    count: int
+
+    @property
+    def tokens(self) -> int:
+        """Input tokens per micro-batch."""
+        return self.chunk * self.merge
+
+
+def micro_batching(stage: Stage, cfg: RunConfig, world: int) -> MicroBatching:
+    """The stage's micro-batches per rank under ``train.min_micro_batch_tokens``.
+
+    0 (the presets) keeps the record's split: :func:`grad_accum_steps` micro-batches of one chunk.
+    A positive value merges consecutive chunks, by the smallest factor dividing the accumulation
+    count that gives at least that many tokens per micro-batch (all of them if none does): fewer,
+    larger micro-batches with the same tokens per step (see :mod:`speedrun.data.loader`), for a
+    step that waits on the host's per-micro-batch work (the record's stage 1 on one GPU)."""
+    chunk = tokens_per_rank(stage, cfg, world)
+    accum = grad_accum_steps(cfg, world)
+    want = cfg.train.min_micro_batch_tokens
+    if isinstance(want, bool) or not isinstance(want, int) or want < 0:
+        raise ConfigError(f"train.min_micro_batch_tokens must be an int >= 0 (0 = no merging), got {want!r}")
+    merge = next((m for m in range(1, accum + 1) if accum % m == 0 and m * chunk >= want), accum)
+    return MicroBatching(chunk, merge, accum // merge)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,7 +176,7 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
     opaque.clear_pending()  # state of fused-kernel forwards whose backward never ran (a dropped loss)
     recipe.before_step(step)
     args = recipe.forward_args(step)
-    accum = grad_accum_steps(cfg, info.world_size)
+    accum = micro_batching(recipe.stages[recipe.stage_index(step)], cfg, info.world_size).count
     total = torch.zeros((), device=info.device)
     mark("setup")
     for _ in range(accum):
@@ -387,22 +424,30 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     recipe = build_recipe(cfg, model, info, tokenizer)
     optimizer = recipe.optimizer
     stages = recipe.stages
-    per_rank = [tokens_per_rank(s, cfg, info.world_size) for s in stages]
-    if cfg.train.val_tokens < max(per_rank) * info.world_size:  # fail before training, not at the first validation
+    plans = [micro_batching(s, cfg, info.world_size) for s in stages]
+    # Validation batches are the largest unmerged micro-batch, so merging leaves the metric as it is
+    val_batch = max(p.chunk for p in plans)
+    max_tokens = max(p.tokens for p in plans)  # the largest training micro-batch
+    if cfg.train.val_tokens < val_batch * info.world_size:  # fail before training, not at the first validation
         raise ConfigError(f"train.val_tokens={cfg.train.val_tokens} is smaller than one validation batch "
-                          f"({max(per_rank)} tokens x {info.world_size} ranks)")
+                          f"({val_batch} tokens x {info.world_size} ranks)")
     if hasattr(model, "warm_tables"):  # RoPE tables must exist before compiling
-        recipe.max_tokens = max(per_rank)
-        model.warm_tables(max(per_rank), device)
+        recipe.max_tokens = max_tokens
+        model.warm_tables(max_tokens, device)
     configure_kernel_launch(cfg)
     run_model = compile_model(model, cfg)
     bigram_mod = getattr(model, "bigram_mod", None)
 
     def make_loader(stage_index: int):
-        s = stages[stage_index]
-        return TrainLoader(train_files, per_rank[stage_index], s.max_seq_len, rank=info.rank,
+        s, plan = stages[stage_index], plans[stage_index]
+        return TrainLoader(train_files, plan.chunk, s.max_seq_len, rank=info.rank,
                            world_size=info.world_size, bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size,
-                           max_docs=cfg.train.max_docs or None, device=device, bigram_mod=bigram_mod)
+                           max_docs=cfg.train.max_docs or None, device=device, bigram_mod=bigram_mod,
+                           merge=plan.merge)
+
+    def set_loader_shape(stage_index: int) -> None:
+        plan = plans[stage_index]
+        loader.set_shape(plan.chunk, stages[stage_index].max_seq_len, cfg.train.max_docs or None, plan.merge)
 
     if not resume:
         log.print(f"seed: {cfg.train.seed}", console=False)
@@ -412,6 +457,10 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
             log.print(line, console=False)
         log.print(f"world_size: {info.world_size} grad_accum: {grad_accum_steps(cfg, info.world_size)} dtype: {dtype}",
                   console=False)
+        if any(p.merge > 1 for p in plans):
+            log.print("micro-batches per step by stage (train.min_micro_batch_tokens="
+                      f"{cfg.train.min_micro_batch_tokens}): "
+                      + ", ".join(f"{p.count} x {p.tokens}" for p in plans), console=False)
         log.print(f"train shards: {len(train_files)} ({train_files[0]} ...) val shards: {len(val_files)}", console=False)
         log.print(f"parameters: {sum(p.numel() for p in model.parameters()):,}", console=False)
         log.print("=" * 100, console=False)
@@ -432,7 +481,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
             loader.close()
             # Every validation the run will make, with this stage's model state (YaRN), on one batch.
             for args in eval_variants.get(si, []):
-                evaluate(run_model, val_files, cfg, info, dtype, max(per_rank), args, max_batches=1)
+                evaluate(run_model, val_files, cfg, info, dtype, val_batch, args, max_batches=1)
         model.load_state_dict(model_state)
         optimizer.load_state_dict(opt_state)
         optimizer.zero_grad()
@@ -476,7 +525,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         loader.load_state_dict(ckpt["loaders"][info.rank])
         # The saved state carries the shape of the step before the checkpoint; a checkpoint taken
         # at a stage boundary resumes into the next stage's shape.
-        loader.set_shape(per_rank[stage_index], stages[stage_index].max_seq_len, cfg.train.max_docs or None)
+        set_loader_shape(stage_index)
         _set_rng_state(ckpt["rng"], device)
         recipe.sync_to(max(start_step - 1, 0))
         log.print(f"Resumed from step {start_step} (train_time {train_ms:.0f}ms)")
@@ -507,7 +556,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
 
     def validate(step: int) -> float:
         args = recipe.eval_args(step, final=step == total_steps)
-        loss = evaluate(run_model, val_files, cfg, info, dtype, max(per_rank), args)
+        loss = evaluate(run_model, val_files, cfg, info, dtype, val_batch, args)
         avg = train_ms / max(step, 1)
         log.print(val_line(step, total_steps, loss, train_ms, avg))
         log.metric(event="val", step=step, val_loss=loss, train_time_ms=train_ms)
@@ -528,7 +577,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         si = recipe.stage_index(step)
         if si != stage_index:
             stage_index = si
-            loader.set_shape(per_rank[si], stages[si].max_seq_len, cfg.train.max_docs or None)
+            set_loader_shape(si)
         loss_acc += run_step(run_model, recipe, loader, step, cfg, info, dtype)
         window_steps += 1
         done = step + 1
