@@ -33,6 +33,9 @@ def test_core_gpt_trains_on_gpu(tmp_path, compile_):
     [],                                                                           # plain PyTorch kernels
     ["model.kernels=fp8", "model.qkv_path=reference"],
     ["model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_head_dim=16"],  # candidate switches
+    # merged micro-batches: stage 1's 4 chunks of 512 tokens as 2 micro-batches of 1,024
+    ["model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_head_dim=16", "train.grad_accum=4",
+     "train.min_micro_batch_tokens=1024"],
 ])
 def test_record_code_path_trains_on_gpu(tmp_path, switches):
     cfg = preset("tiny-record")
