@@ -57,6 +57,29 @@ def test_candidate_path_matches_reference(qkv_path, bound_loss, bound_grad):
         assert err < bound_grad, (name, err)
 
 
+def test_value_residual_gradient_is_not_copied(monkeypatch):
+    """QK-prep's value residual gets v's gradient by reference (attach_value_residual_grad): no
+    opaque op returns a tensor it was handed, which the op would have to copy (T x H x Dv per
+    layer with a value residual and micro-batch, ~1.4 ms per stage-3 step of the candidate)."""
+    from speedrun.kernels import opaque, qk_prep
+
+    if not qk_prep.interpreting():
+        pytest.skip("the opaque QK-prep op runs on the CPU only under TRITON_INTERPRET=1")
+    copied = []
+    unalias = opaque._unalias
+
+    def spy(outs, inputs):
+        res = unalias(outs, inputs)
+        copied.extend(o.shape for o, r in zip(outs, res) if o is not r)
+        return res
+
+    monkeypatch.setattr(opaque, "_unalias", spy)
+    _, cand = _pair("fused")
+    assert any(k[0] == "qk_prep" and k[2] for k in cand._kernel_handles)  # value-residual layers exist
+    cand.loss(_batch(), ARGS).backward()
+    assert copied == []
+
+
 def test_candidate_preset_is_record_plus_switches():
     rec, cand = preset("record"), preset("candidate")
     assert (cand.model.qk_head_dim, cand.model.v_head_dim) == (96, 128)

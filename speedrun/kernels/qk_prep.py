@@ -522,6 +522,28 @@ def qk_prep_backward(ctx, dq, dk, dv, *, fp8_out=None):
     return _QKPrep.backward(ctx, dq, dk, dv, fp8_out)[:2]
 
 
+class _ValueResidualGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, v, aux_v):
+        ctx.aux_shape = aux_v.shape
+        return v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, dv):
+        return dv, dv.reshape(ctx.aux_shape)
+
+
+def attach_value_residual_grad(v: torch.Tensor, aux_v: torch.Tensor) -> torch.Tensor:
+    """``v`` (a view of it) whose gradient also flows, reshaped, to ``aux_v``.
+
+    QK-prep adds the value residual ``aux_v`` (T, H * Dv) into v inside its kernel, so aux_v's
+    gradient is v's gradient.  Run as an opaque custom op (:mod:`speedrun.kernels.opaque`) the
+    kernel may not return that gradient, a tensor it was handed, without copying it (T x H x Dv,
+    per layer with a value residual and micro-batch); so aux_v enters the op without a gradient
+    and this node in the caller's graph hands v's gradient to both, by reference."""
+    return _ValueResidualGrad.apply(v, aux_v)
+
+
 def qk_prep_out_shapes(T: int, num_heads: int, qk_dim: int, v_dim: int, *, paired: bool = False,
                        pad_to: int | None = None) -> list[tuple[int, ...]]:
     """Shapes of (q, k, v) as :func:`qk_prep` returns them."""

@@ -746,7 +746,7 @@ class RecordGPT(nn.Module):
         ``padded`` q and k are (T, H, Dv) with zero columns past Dqk.  The FP8 GEMM and QK-prep
         each run as one opaque op (:mod:`speedrun.kernels.opaque`)."""
         from speedrun.kernels import opaque
-        from speedrun.kernels.qk_prep import qk_prep_reference
+        from speedrun.kernels.qk_prep import attach_value_residual_grad, qk_prep_reference
         from speedrun.kernels.qkv_pack import packed_qkv_linear_reference
 
         H, dqk, dv = self.num_heads, self.qk_dim, self.v_dim
@@ -763,6 +763,8 @@ class RecordGPT(nn.Module):
                                      key_offset=key_offset, aux_v=aux, pad_to=dv if padded else None)
         ins = [qkv, cos, sin] + ([] if aux is None else [aux])
         q, k, v = opaque.call(self._kernel_handles[("qk_prep", j, aux is not None, padded)], ins)
+        if aux is not None:  # the op takes aux without a gradient: see attach_value_residual_grad
+            v = attach_value_residual_grad(v, aux)
         return q, k, v
 
     def _qkv_input_scaling(self, j: int):
@@ -809,9 +811,8 @@ class RecordGPT(nn.Module):
                                                 paired=paired, key_offset=key_offset, pad_to=pad_to,
                                                 aux_v=ts[3] if len(ts) > 3 else None))
 
-                def prep_backward(ctx, gs, has_aux=has_aux, j=j):
-                    dqkv, daux = self._qk_prep_backward(ctx, gs, j)
-                    return [dqkv, daux] if has_aux else [dqkv]
+                def prep_backward(ctx, gs, j=j):
+                    return [self._qk_prep_backward(ctx, gs, j)]
 
                 self._kernel_handles[("qk_prep", j, has_aux, padded)] = opaque.register(opaque.OpaqueKernel(
                     name=f"qk_prep[attention {j}{', value residual' if has_aux else ''}{', padded' if padded else ''}]",
@@ -819,11 +820,12 @@ class RecordGPT(nn.Module):
                     out_specs=lambda ts, paired=paired, pad_to=pad_to: [
                         (shape, ts[0].dtype)
                         for shape in qk_prep_out_shapes(ts[0].shape[0], H, dqk, dv, paired=paired, pad_to=pad_to)],
-                    diff=(True, False, False, True) if has_aux else (True, False, False),
+                    # aux (the value residual) gets its gradient from attach_value_residual_grad
+                    diff=(True, False, False, False) if has_aux else (True, False, False),
                 ))
 
     def _qk_prep_backward(self, ctx, grads, j: int):
-        """QK-prep's backward for attention layer ``j``.  With ``model.qk_prep_fp8_grad`` (and the
+        """QK-prep's backward for attention layer ``j``: d qkv.  With ``model.qk_prep_fp8_grad`` (and the
         layer's delayed dy scale ready), the kernel also writes d qkv as e5m2 and hands it to the
         packed QKV GEMM's backward, which runs next and then skips its quantise pass."""
         from speedrun.kernels.fp8_cache import E5M2
@@ -835,11 +837,11 @@ class RecordGPT(nn.Module):
             st = self._qkv_input_scaling(j)
             args = st.g_epilogue_args(qkv.device)
         if args is None:
-            return qk_prep_backward(ctx, *grads)
+            return qk_prep_backward(ctx, *grads)[0]
         g_fp8 = torch.empty(qkv.shape, dtype=E5M2, device=qkv.device)
-        dqkv, daux = qk_prep_backward(ctx, *grads, fp8_out=(g_fp8, *args))
+        dqkv = qk_prep_backward(ctx, *grads, fp8_out=(g_fp8, *args))[0]
         st.hand_over_g(dqkv, g_fp8, args[0])
-        return dqkv, daux
+        return dqkv
 
     def __setstate__(self, state) -> None:
         """A copy (deepcopy, pickle) is uncompiled and registers its own fused-kernel ops: the
