@@ -80,7 +80,10 @@ for part in $parts; do
           --steps "${BENCH_STEPS:-20}" --warmup 3 --set train.max_docs=256 --host-steps "${HOST_STEPS:-5}" --chain "${CHAIN:-1}" \
           $([ "${SYNC_SCAN:-1}" = 1 ] && echo --sync-scan) \
           --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --json "$OUT/bench_step_stage$stage.json" 2>&1 | tail -30
-      done ;;  # (the bench samples each arm's SM clock and power itself: its table's "GPU clocks")
+      done  # (the bench samples each arm's SM clock and power itself: its table's "GPU clocks")
+      # every stage benched: each arm's whole-run time from its own schedule
+      set -- "$OUT"/bench_step_stage*.json
+      [ "$#" -ge 3 ] && python3 -m speedrun bench project "$@" --json "$OUT/projection.json" 2>&1 | tail -12 ;;
     profile)
       # PROFILE_ARMS: which presets; PROFILE_STAGE: the stage index whose shapes are profiled (default 2);
       # PROFILE_DEVICE_ONLY=1: GPU activity alone (the timeline's idle gaps near an unprofiled step's,

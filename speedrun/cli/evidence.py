@@ -149,6 +149,20 @@ examples:
   torchrun --standalone --nproc_per_node=8 -m speedrun bench step --arm a=small --arm b=small:... --data ...
 """
 
+_PROJECT_EPILOG = """\
+A per-step ratio at one stage does not say which arm trains faster: a staged recipe spends
+different times per step in each stage.  This sums, for every arm, steps x median step time over
+the stages of the arm's own schedule (read from the config saved in each file), with bootstrap
+95% intervals for the total and for the ratio to the first arm.  A stage without a bench (the
+record's short extension stage) takes the nearest earlier benched stage with its batch size.
+Compilation, warmup and validation are not included: it ranks arms, a full training measures them.
+
+examples:
+  for s in 0 1 2; do speedrun bench step --arm base=record --arm cand=candidate --stage $s \
+      --data ... --json bench_stage$s.json; done
+  speedrun bench project bench_stage0.json bench_stage1.json bench_stage2.json
+"""
+
 _COMPARE_EPILOG = """\
 Runs full trainings of every arm for every seed, interleaved (seed s0: A B, seed s1: A B, ...;
 the same seeds for every arm), and writes a records folder: manifest.json (the plan and each
@@ -226,7 +240,24 @@ def _add_bench(sub) -> None:
                         "synchronise with the GPU, with our code's lines (CUDA)")
     _arm_common(p)
     p.set_defaults(func=_bench_step)
+    p = bsub.add_parser(
+        "project", help="whole-run training time per arm from 'bench step' files of several stages",
+        description="Project each arm's training time over its whole schedule from per-stage step benchmarks.",
+        epilog=_PROJECT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE",
+                   help="'speedrun bench step --json' files, one per stage, with the same arms")
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write the projection as JSON")
+    p.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples for the intervals (default 2000)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resampling (default 0)")
+    p.set_defaults(func=_bench_project)
     bench.set_defaults(func=lambda args: bench.print_help() or 2)
+
+
+def _bench_project(args) -> int:
+    from speedrun.evidence.projection import cli_project
+
+    return cli_project(args)
 
 
 def _bench_step(args) -> int:

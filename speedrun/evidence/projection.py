@@ -1,0 +1,170 @@
+"""A whole run's training time projected from per-stage step benchmarks.
+
+A staged recipe spends different times per step in each stage (the record on one H200: ~300 /
+~570 / ~650 ms at stages 1-3), so a per-step ratio at one stage does not say which arm trains
+faster overall: the seventh device session's candidate was 8% faster per stage-3 step and 31%
+slower per stage-1 step.  :func:`project` takes ``speedrun bench step --json`` files, one per
+stage (the same arms in each), and sums for every arm
+
+    projected seconds = sum over stages s of  steps_s x median step time_s
+
+where ``steps_s`` comes from the arm's own schedule (its config, saved in the bench file: the
+candidate's extension stage is 45 steps, the record's 15).  A stage that was not benched takes
+the time of the nearest benched stage before it with the same batch size (the record's
+extension stage runs stage 3's batch with wider windows), and the report says so.  The 95%
+intervals come from resampling every benched stage's step times independently (medians of
+bootstrap samples, summed); the ratio of each arm to the first arm is resampled the same way.
+
+What the projection leaves out: compilation and warmup, validation, and how the host runs ahead
+of the GPU between steps in a real run (the bench times one step from an idle GPU unless it was
+given ``--chain``).  It ranks arms; a full training measures them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from speedrun.errors import ConfigError
+
+
+def _filtered(cls, fields: dict[str, Any], where: str) -> dict[str, Any]:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        warnings.warn(f"{where}: ignoring config fields this version does not have: {', '.join(unknown)}",
+                      RuntimeWarning, stacklevel=3)
+    return {k: v for k, v in fields.items() if k in known}
+
+
+def config_from_saved(d: dict[str, Any], where: str = "bench file"):
+    """A :class:`~speedrun.config.RunConfig` from a saved ``to_dict()``, tolerating fields that a
+    later version removed (a warning names them)."""
+    from speedrun.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+
+    return RunConfig.from_dict({
+        **d,
+        "model": _filtered(ModelConfig, d.get("model", {}), where),
+        "data": _filtered(DataConfig, d.get("data", {}), where),
+        "train": _filtered(TrainConfig, d.get("train", {}), where),
+    })
+
+
+def stage_lengths(cfg) -> list[int]:
+    """Optimizer steps in each of the config's stages (their sum is ``train.steps``)."""
+    from speedrun.train.recipes import stages_of
+
+    stages = stages_of(cfg)
+    starts = [s.start_step for s in stages] + [cfg.train.steps]
+    return [max(0, b - a) for a, b in zip(starts, starts[1:])]
+
+
+def load_benches(paths: list[Path]) -> list[dict[str, Any]]:
+    docs = []
+    for p in paths:
+        try:
+            doc = json.loads(Path(p).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read bench file {p}: {e}") from None
+        if not isinstance(doc, dict) or "arms" not in doc or "stage" not in doc:
+            raise ConfigError(f"{p} is not a 'speedrun bench step --json' file (no 'arms' and 'stage')")
+        doc["_path"] = str(p)
+        docs.append(doc)
+    return docs
+
+
+def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """Projected whole-run seconds per arm from bench files of several stages (see the module doc).
+
+    Returns ``{"arms": [{"name", "seconds", "ci", "ratio", "ratio_ci", "stages": [...]}, ...],
+    "baseline", "unbenched"}``, arms in the first file's order."""
+    from speedrun.train.recipes import stages_of
+
+    if not docs:
+        raise ConfigError("project: give at least one bench file")
+    by_stage: dict[int, dict[str, dict]] = {}
+    for doc in docs:
+        s = int(doc["stage"])
+        if s in by_stage:
+            raise ConfigError(f"two bench files for stage {s} ({doc['_path']}); give one per stage")
+        by_stage[s] = {a["name"]: a for a in doc["arms"]}
+    names = [a["name"] for a in docs[0]["arms"]]
+    for s, arms in by_stage.items():
+        missing = [n for n in names if n not in arms]
+        if missing:
+            raise ConfigError(f"stage {s}'s bench has no arm {', '.join(missing)}; every file needs the same arms")
+    rng = np.random.default_rng(seed)
+    benched = sorted(by_stage)
+    out_arms, unbenched = [], {}
+    draws = {}
+    for name in names:
+        first = by_stage[benched[0]][name]
+        cfg = config_from_saved(first["config"], f"arm {name}")
+        lengths = stage_lengths(cfg)
+        stages = stages_of(cfg)
+        rows, total, boot = [], 0.0, np.zeros(n_boot)
+        for i, n_steps in enumerate(lengths):
+            src = i if i in by_stage else next(
+                (j for j in reversed(benched) if j < i and stages[j].batch_tokens == stages[i].batch_tokens), None)
+            if src is None:
+                if n_steps == 0:
+                    continue
+                raise ConfigError(f"arm {name}: stage {i} ({n_steps} steps) has no bench and no earlier benched "
+                                  f"stage with its batch of {stages[i].batch_tokens} tokens; bench it (--stage {i})")
+            if src != i:
+                unbenched[i] = src
+            times = np.asarray(by_stage[src][name]["times_ms"], dtype=float)
+            if times.size == 0:
+                raise ConfigError(f"arm {name}: stage {src}'s bench holds no step times")
+            med = float(np.median(times))
+            rows.append({"stage": i, "steps": n_steps, "timed_as": src, "median_ms": med,
+                         "seconds": n_steps * med / 1000})
+            total += n_steps * med / 1000
+            samples = rng.choice(times, size=(n_boot, times.size), replace=True)
+            boot += n_steps * np.median(samples, axis=1) / 1000
+        draws[name] = boot
+        out_arms.append({"name": name, "seconds": total, "ci": _ci(boot), "stages": rows})
+    base = names[0]
+    for arm in out_arms:
+        arm["ratio"] = arm["seconds"] / out_arms[0]["seconds"]
+        arm["ratio_ci"] = _ci(draws[arm["name"]] / draws[base])
+    return {"arms": out_arms, "baseline": base, "unbenched": unbenched, "n_boot": n_boot}
+
+
+def _ci(x: np.ndarray) -> list[float]:
+    return [float(np.percentile(x, 2.5)), float(np.percentile(x, 97.5))]
+
+
+def render(res: dict[str, Any]) -> str:
+    lines = ["projected training time (sum over stages of steps x median step time; compile, warmup and",
+             "validation not included)", ""]
+    stages = sorted({r["stage"] for a in res["arms"] for r in a["stages"]})
+    head = "| arm | " + " | ".join(f"stage {s}" for s in stages) + " | total s [95% CI] | vs " + res["baseline"] + " [95% CI] |"
+    lines += [head, "|" + "---|" * (len(stages) + 3)]
+    for a in res["arms"]:
+        cells = {r["stage"]: f"{r['steps']} x {r['median_ms']:.1f} ms" for r in a["stages"]}
+        lines.append(f"| {a['name']} | " + " | ".join(cells.get(s, "-") for s in stages)
+                     + f" | {a['seconds']:.1f} [{a['ci'][0]:.1f}, {a['ci'][1]:.1f}]"
+                     + f" | {a['ratio']:.4f} [{a['ratio_ci'][0]:.4f}, {a['ratio_ci'][1]:.4f}] |")
+    for i, src in sorted(res["unbenched"].items()):
+        lines.append(f"(stage {i} was not benched: timed as stage {src}, the nearest earlier stage with its batch)")
+    return "\n".join(lines) + "\n"
+
+
+def cli_project(args) -> int:
+    import sys
+
+    try:
+        res = project(load_benches(args.files), n_boot=args.n_boot, seed=args.seed)
+    except ConfigError as e:
+        print(f"speedrun bench project: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(render(res))
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2))
+    return 0

@@ -1,0 +1,88 @@
+"""Whole-run projection from per-stage bench files (speedrun bench project)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from speedrun.cli import main
+from speedrun.config import preset
+from speedrun.errors import ConfigError
+from speedrun.evidence.projection import project, stage_lengths
+
+
+def _bench(stage: int, arms: dict[str, tuple[object, list[float]]]) -> dict:
+    return {"stage": stage, "arms": [{"name": n, "config": cfg.to_dict(), "times_ms": t} for n, (cfg, t) in arms.items()]}
+
+
+def _arms():
+    base, cand = preset("record"), preset("candidate")
+    return base, cand
+
+
+def test_stage_lengths_follow_each_schedule():
+    base, cand = _arms()
+    assert stage_lengths(base) == [423, 424, 423, 15]
+    assert stage_lengths(cand) == [423, 424, 423, 45]
+    assert sum(stage_lengths(preset("tiny-record"))) == preset("tiny-record").train.steps
+
+
+def test_projection_sums_steps_times_medians_per_arm(tmp_path):
+    base, cand = _arms()
+    rng = np.random.default_rng(0)
+    noisy = lambda m: list(m + rng.normal(0, 1, 25))  # noqa: E731
+    docs = [_bench(0, {"base": (base, [300.0] * 25), "cand": (cand, [400.0] * 25)}),
+            _bench(1, {"base": (base, [500.0] * 25), "cand": (cand, [450.0] * 25)}),
+            _bench(2, {"base": (base, noisy(650.0)), "cand": (cand, noisy(585.0))})]
+    res = project([dict(d, _path=f"s{d['stage']}") for d in docs], n_boot=500)
+    by = {a["name"]: a for a in res["arms"]}
+    med_b, med_c = np.median(docs[2]["arms"][0]["times_ms"]), np.median(docs[2]["arms"][1]["times_ms"])
+    want_b = (423 * 300 + 424 * 500 + (423 + 15) * med_b) / 1000
+    want_c = (423 * 400 + 424 * 450 + (423 + 45) * med_c) / 1000
+    assert by["base"]["seconds"] == pytest.approx(want_b) and by["cand"]["seconds"] == pytest.approx(want_c)
+    assert by["cand"]["ratio"] == pytest.approx(want_c / want_b) and by["base"]["ratio"] == 1.0
+    lo, hi = by["cand"]["ci"]
+    assert lo <= want_c <= hi and hi - lo < 2  # only stage 2 is noisy: ~1 ms x 468 steps / sqrt(25)
+    assert res["unbenched"] == {3: 2}  # the extension stage timed as stage 2
+    assert [r["timed_as"] for r in by["cand"]["stages"]] == [0, 1, 2, 2]
+
+    # the same through the CLI, with the files on disk
+    paths = []
+    for d in docs:
+        p = tmp_path / f"bench_stage{d['stage']}.json"
+        p.write_text(json.dumps(d))
+        paths.append(str(p))
+    out = tmp_path / "proj.json"
+    assert main(["bench", "project", *paths, "--json", str(out), "--n-boot", "200"]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["arms"][1]["seconds"] == pytest.approx(want_c)
+
+
+def test_projection_refuses_incomplete_benches(tmp_path, capsys):
+    base, cand = _arms()
+    s0 = _bench(0, {"base": (base, [300.0] * 20), "cand": (cand, [400.0] * 20)})
+    s2 = _bench(2, {"base": (base, [650.0] * 20), "cand": (cand, [590.0] * 20)})
+    with pytest.raises(ConfigError, match="stage 1 .* has no bench"):
+        project([dict(s0, _path="a"), dict(s2, _path="b")])
+    s2_only_base = _bench(2, {"base": (base, [650.0] * 20)})
+    with pytest.raises(ConfigError, match="no arm cand"):
+        project([dict(s0, _path="a"), dict(s2_only_base, _path="b")])
+    with pytest.raises(ConfigError, match="two bench files for stage 0"):
+        project([dict(s0, _path="a"), dict(s0, _path="b")])
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"nothing": 1}))
+    assert main(["bench", "project", str(bad)]) == 2
+    assert "not a 'speedrun bench step --json' file" in capsys.readouterr().err
+
+
+def test_configs_saved_by_older_versions_still_load():
+    base, _ = _arms()
+    d = base.to_dict()
+    d["model"]["dc_keys"] = "band"  # a switch removed in the eighteenth session
+    doc = _bench(0, {"base": (base, [1.0] * 20)})
+    doc["arms"][0]["config"] = d
+    with pytest.warns(RuntimeWarning, match="dc_keys"):
+        with pytest.raises(ConfigError, match="stage 1"):
+            project([dict(doc, _path="a")])
