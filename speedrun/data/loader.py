@@ -303,13 +303,13 @@ class _Pos:
 class TrainLoader:
     """BOS-aligned training batches for one rank (see the module doc for the exact rules).
 
-    files: shards in stream order.  tokens_per_rank: T, input tokens per micro-batch.
-    max_seq_len: document cap in tokens.  bos_id: the BOS token.  vocab_size: if given, every
-    shard is checked to have ids < vocab_size.  max_docs: fixed ``cu_seqlens`` length - 1
-    per chunk (default :func:`default_max_docs`).  merge: chunks per batch (see the module doc);
-    batches then hold ``merge * tokens_per_rank`` tokens.  prefetch: build the next batch and load the next shard
-    on background threads.  device: where batches are returned.  bigram_mod: if given, batches
-    carry ``bigram_hash(inputs, bigram_mod)``.
+    files: shards in stream order.  tokens_per_rank: T, input tokens per chunk (an unmerged
+    micro-batch).  max_seq_len: document cap in tokens.  bos_id: the BOS token.  vocab_size: if
+    given, every shard is checked to have ids < vocab_size.  max_docs: fixed ``cu_seqlens``
+    length - 1 per chunk (default :func:`default_max_docs`).  merge: chunks per batch (see the
+    module doc); batches then hold ``merge * T`` tokens.  prefetch: build the next batch and load
+    the next shard on background threads.  device: where batches are returned.  bigram_mod: if
+    given, batches carry ``bigram_hash(inputs, bigram_mod)``.
     """
 
     def __init__(self, files: list[Path], tokens_per_rank: int, max_seq_len: int, *, rank: int = 0,
