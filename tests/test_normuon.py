@@ -62,6 +62,12 @@ def test_compiled_update_matches_the_eager_one_and_compiles_once(dtype, shape):
     graph per function (scalars are not baked into the graph)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    from speedrun.train.recipes import cpu_inductor_compiles_bf16_normuon
+
+    if not cpu_inductor_compiles_bf16_normuon():  # bf16 gradients below; the recipe refuses them there
+        pytest.skip(f"torch {torch.__version__}'s Inductor CPU backend cannot compile NorMuon's momentum step "
+                    "on bf16 gradients")
+
     torch.manual_seed(3)
     G, rows, cols = shape
     red = (G, rows, 1) if rows >= cols else (G, 1, cols)

@@ -97,6 +97,20 @@ def test_optimizer_compile_switch_reaches_the_optimizer(tmp_path):
         assert recipe.optimizer.compile_backend == expected, sets
 
 
+def test_compiled_normuon_on_a_cpu_torch_that_cannot_is_refused(tmp_path, monkeypatch):
+    from speedrun import distributed
+    from speedrun.errors import ConfigError
+    from speedrun.model import build_model
+    from speedrun.train import recipes
+
+    monkeypatch.setattr(recipes, "cpu_inductor_compiles_bf16_normuon", lambda: False)
+    cfg = tiny_record(tmp_path, "train.optimizer_compile=true", "train.dtype=bf16")
+    with pytest.raises(ConfigError, match="optimizer_compile=true with train.dtype=bf16 on the CPU needs torch >= 2.13"):
+        recipes.build_recipe(cfg, build_model(cfg.model), distributed.DistInfo())
+    cfg = tiny_record(tmp_path, "train.optimizer_compile=true")  # fp32 on the CPU: fine
+    assert recipes.build_recipe(cfg, build_model(cfg.model), distributed.DistInfo()).optimizer.compile_backend
+
+
 def test_fused_normuon_update_trains_like_the_eager_one(tmp_path):
     """train.optimizer_compile=true (NorMuon's update through Inductor, here on the CPU) follows
     the eager update, and the warmup makes every graph: none in the timed region, although the

@@ -673,6 +673,7 @@ def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int
     (with host events recorded the step takes ~1.6x as long and every gap grows).
     """
     import torch
+    from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
     from speedrun import distributed
@@ -707,7 +708,10 @@ def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int
         activities = ([] if device_only else [ProfilerActivity.CPU]) + ([ProfilerActivity.CUDA] if on_gpu else [])
         if on_gpu:
             torch.cuda.synchronize(info.device)
-        with profile(activities=activities, record_shapes=not device_only, with_stack=stacks) as prof:
+        # verbose: torch 2.11 attaches the Python stack to each op only then (2.13 also records
+        # the frames as parent events); without it 2.11's profiles named no call site
+        extra = {"experimental_config": _ExperimentalConfig(verbose=True)} if stacks else {}
+        with profile(activities=activities, record_shapes=not device_only, with_stack=stacks, **extra) as prof:
             t0 = time.perf_counter()
             for _ in range(steps):
                 session.step()

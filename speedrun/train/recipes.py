@@ -147,6 +147,12 @@ class RecordRecipe:
         model.sync_embed_from_lm_head()
         hyper = OptimizerHyper(adam_lr=t.lr, muon_lr=t.muon_lr)
         kernels = {"auto": None, "triton": True, "reference": False}
+        on_cpu = info is not None and info.device.type == "cpu"
+        if t.optimizer_compile and on_cpu and t.dtype == "bf16" and not cpu_inductor_compiles_bf16_normuon():
+            raise ConfigError(f"train.optimizer_compile=true with train.dtype=bf16 on the CPU needs torch >= 2.13: "
+                              f"torch {torch.__version__}'s Inductor CPU backend fails on NorMuon's momentum step "
+                              "with bf16 gradients (InductorError KeyError 'buf1'); use train.dtype=fp32 (the CPU "
+                              "default), leave optimizer_compile off, or upgrade torch.  CUDA is not affected.")
         if t.optimizer_kernels not in kernels:
             raise ConfigError(f"train.optimizer_kernels must be one of {', '.join(kernels)}, got {t.optimizer_kernels!r}")
         self.optimizer = NorMuonAndAdam(model.parameter_groups(), record_param_table(), hyper=hyper,
@@ -223,6 +229,15 @@ class RecordRecipe:
             return
         table = build_prefix_table(self.tokenizer, self.model.vocab)
         self.model.set_prefix_table(table)
+
+
+def cpu_inductor_compiles_bf16_normuon() -> bool:
+    """False on torch < 2.13, whose Inductor CPU backend cannot compile NorMuon's momentum step on
+    bf16 gradients (an in-place lerp, a lerp reading its result, a norm and a bf16 cast: KeyError
+    'buf1' in codegen, seen with 2.11; fp32 gradients compile); 2.13 compiles both, and CUDA
+    builds of 2.11 do."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 13)
 
 
 def build_recipe(cfg: RunConfig, model, info, tokenizer=None):
