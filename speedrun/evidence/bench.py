@@ -359,6 +359,7 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
     out_arms = []
     for (arm, cfg, spec), s in zip(configs, sessions):
         st = s.stage
+        mb = micro_batching(st, cfg, info.world_size)
         for c in chains:
             name = series_name(arm, c, chains)
             d = describe_times(times[name])
@@ -369,8 +370,8 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
                 "stage": {"index": stage, "batch_tokens": st.batch_tokens, "max_seq_len": st.max_seq_len,
                           "window_short": st.window_short, "window_long": st.window_long},
                 # micro-batches per step and their tokens (after train.min_micro_batch_tokens)
-                "grad_accum": micro_batching(st, cfg, info.world_size).count,
-                "micro_batch_tokens": micro_batching(st, cfg, info.world_size).tokens,
+                "grad_accum": mb.count,
+                "micro_batch_tokens": mb.tokens,
                 "compile": cfg.train.compile,
                 "dtype": str(s.dtype).replace("torch.", ""),
                 "parameters": sum(p.numel() for p in s.model.parameters()),
