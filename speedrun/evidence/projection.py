@@ -12,8 +12,10 @@ where ``steps_s`` comes from the arm's own schedule (its config, saved in the be
 candidate's extension stage is 45 steps, the record's 15).  A stage that was not benched takes
 the time of the nearest benched stage before it with the same batch size (the record's
 extension stage runs stage 3's batch with wider windows), and the report says so.  The 95%
-intervals come from resampling every benched stage's step times independently (medians of
-bootstrap samples, summed); the ratio of each arm to the first arm is resampled the same way.
+intervals come from resampling every benched stage's step times (medians of bootstrap samples,
+summed; a stage timed by another reuses that stage's draws); the ratio of each arm to the first
+arm divides the two arms' draws.  Arms are resampled independently, which ignores the pairing of
+the bench's interleaved rounds: the ratio's interval is wider than a paired one, not narrower.
 
 What the projection leaves out: compilation and warmup, validation, and how the host runs ahead
 of the GPU between steps in a real run (the bench times one step from an idle GPU unless it was
@@ -108,6 +110,7 @@ def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0) -> di
         lengths = stage_lengths(cfg)
         stages = stages_of(cfg)
         rows, total, boot = [], 0.0, np.zeros(n_boot)
+        medians: dict[int, np.ndarray] = {}  # benched stage -> bootstrap medians, shared by the stages timed by it
         for i, n_steps in enumerate(lengths):
             src = i if i in by_stage else next(
                 (j for j in reversed(benched) if j < i and stages[j].batch_tokens == stages[i].batch_tokens), None)
@@ -125,8 +128,9 @@ def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0) -> di
             rows.append({"stage": i, "steps": n_steps, "timed_as": src, "median_ms": med,
                          "seconds": n_steps * med / 1000})
             total += n_steps * med / 1000
-            samples = rng.choice(times, size=(n_boot, times.size), replace=True)
-            boot += n_steps * np.median(samples, axis=1) / 1000
+            if src not in medians:
+                medians[src] = np.median(rng.choice(times, size=(n_boot, times.size), replace=True), axis=1)
+            boot += n_steps * medians[src] / 1000
         draws[name] = boot
         out_arms.append({"name": name, "seconds": total, "ci": _ci(boot), "stages": rows})
     base = names[0]
