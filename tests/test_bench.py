@@ -205,6 +205,7 @@ def test_bench_stage_selection_and_errors(tmp_path, capsys):
     assert arm["stage"]["max_seq_len"] == 128 and arm["stage"]["batch_tokens"] == 1024 and arm["grad_accum"] == 2
     assert arm["micro_batch_tokens"] == 512
     assert (merged["grad_accum"], merged["micro_batch_tokens"]) == (1, 1024)  # both chunks in one micro-batch
+    assert "micro-batches per step: a 2 x 512, m 1 x 1024" in capsys.readouterr().out
     capsys.readouterr()
     assert main(args[:4] + ["--stage", "2"] + args[6:]) == 2
     assert "out of range" in capsys.readouterr().err

@@ -459,6 +459,10 @@ def render_table(result: dict[str, Any]) -> str:
         peak_s = f"{peak:>9,.0f}" if peak is not None else f"{'-':>9}"
         lines.append(f"{a['name']:<16} {a['median_ms']:>10.3f} {a['q1_ms']:>9.3f} {a['q3_ms']:>9.3f} "
                      f"{a['iqr_ms']:>8.3f} {a['tokens_per_s']:>13,.0f} {peak_s}  {ratio}")
+    splits = {(a.get("grad_accum"), a.get("micro_batch_tokens")) for a in result["arms"]}
+    if len(splits) > 1:  # arms that split the step differently (train.min_micro_batch_tokens)
+        lines.append("micro-batches per step: " + ", ".join(
+            f"{a['name']} {a.get('grad_accum')} x {a.get('micro_batch_tokens')}" for a in result["arms"]))
     lines += _render_clocks(result)
     lines += _render_host(result)
     for w in result["warnings"]:
