@@ -220,6 +220,11 @@ class TrainConfig:
     final_lr_frac: float = 0.1
     grad_clip: float = 1.0  # 0 disables
     warmup_steps: int = 0  # untimed compile warmup steps, undone afterwards
+    # After the warmup: one full garbage collection, then gc.freeze(), so the collector no longer
+    # walks the compiled graphs and the model during timed steps (a full collection over them
+    # stalls the host for tens to hundreds of ms in a random step; speedrun.train.collector).
+    # Process-wide: in `speedrun bench step` every arm must agree.
+    gc_freeze: bool = True
     val_every: int = 50
     val_tokens: int = 32768
     log_every: int = 10

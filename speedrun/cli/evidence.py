@@ -139,6 +139,11 @@ during each arm's timed steps (rank 0's GPU), printed per arm.  An H200 at its p
 its clock, so two arms can run the same kernels at different clocks; read a ratio with them.
 --no-clocks turns the sampling off.
 
+Garbage collection: after the warmups the bench runs one full collection and freezes what
+survives (train.gc_freeze, on by default, as in `speedrun train`), so a full collection over the
+compiled graphs cannot stall a random timed step; the collections that still run are counted per
+arm (count by generation, ms per step, longest pause).  Every arm must use the same gc_freeze.
+
 arm syntax: NAME=PRESET[:SECTION.FIELD=VALUE,SECTION.FIELD=VALUE,...]  (a bare PRESET names the
 arm after the preset; --set applies to every arm before the arm's own overrides)
 

@@ -39,6 +39,7 @@ from speedrun import distributed
 from speedrun.config import RunConfig, Stage
 from speedrun.errors import ConfigError
 from speedrun.evidence.arms import ArmSpec
+from speedrun.train.collector import CollectionMeter, CollectionStats, freeze_long_lived, thaw
 
 MIN_STEPS = 20  # the CLI's floor; fewer steps make the median and the bootstrap too coarse
 
@@ -290,8 +291,13 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
     devices = {cfg.train.device for _, cfg, _ in configs}
     if len(devices) > 1:
         raise ConfigError(f"all arms must use one train.device, got {sorted(devices)}")
+    freezes = {cfg.train.gc_freeze for _, cfg, _ in configs}
+    if len(freezes) > 1:
+        raise ConfigError("train.gc_freeze is process-wide: every arm of one bench must use the same value, got "
+                          + ", ".join(f"{n}={cfg.train.gc_freeze}" for n, cfg, _ in configs))
     info = distributed.setup(configs[0][1].train.device)
     meter = MemoryMeter(info.device)
+    collections, frozen = CollectionMeter(), 0
     sessions: list[Session] = []
     sampler, clocks_note = _clock_sampler(info) if clocks else (None, "not sampled (--no-clocks)")
     try:
@@ -305,15 +311,19 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
                 s.step()
             distributed.barrier(info)
             s.resident_bytes += meter.allocated() - before  # optimizer state, FP8 caches, grads kept
+        frozen = freeze_long_lived() if configs[0][1].train.gc_freeze else 0
+        collections.__enter__()
         if sampler is not None:
             sampler.__enter__()
         for rep in range(steps):
             k = rep % len(sessions)
             for s in sessions[k:] + sessions[:k]:
                 for c in chains:
+                    collections.label = series_name(s.name, c, chains)
                     if sampler is not None:
-                        sampler.label = series_name(s.name, c, chains)
+                        sampler.label = collections.label
                     s.times_ms.setdefault(c, []).append(time_step(s, meter, c))
+                    collections.label = None
                     if sampler is not None:
                         sampler.label = None
             if progress and info.is_main and (rep + 1) % 10 == 0:
@@ -321,6 +331,9 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
         times = {series_name(s.name, c, chains): _gather_max(s.times_ms[c], info) for s in sessions for c in chains}
         _host_side(sessions, info, host_steps, sync_scan)
     finally:
+        collections.__exit__(None, None, None)
+        if frozen:
+            thaw()
         if sampler is not None:
             sampler.__exit__(None, None, None)
         for s in sessions:
@@ -328,6 +341,9 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
     distributed.teardown()
     result = _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info, chains)
     result["clocks"] = {"per_arm": sampler.summary() if sampler is not None else {}, "note": clocks_note}
+    result["gc"] = {"frozen_objects": frozen,
+                    "per_arm": {a["name"]: collections.summary().get(a["name"], CollectionStats().as_dict())
+                                for a in result["arms"]}}
     del sessions
     if info.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -464,6 +480,7 @@ def render_table(result: dict[str, Any]) -> str:
         lines.append("micro-batches per step: " + ", ".join(
             f"{a['name']} {a.get('grad_accum')} x {a.get('micro_batch_tokens')}" for a in result["arms"]))
     lines += _render_clocks(result)
+    lines += _render_collections(result)
     lines += _render_host(result)
     for w in result["warnings"]:
         lines.append(f"warning: {w}")
@@ -480,6 +497,21 @@ def _render_clocks(result: dict[str, Any]) -> list[str]:
     for name, c in per_arm.items():
         lines.append(f"{name:<16} {c['samples']:>7} {c['sm_mhz_median']:>7.0f} {c['sm_mhz_p10']:>6.0f} "
                      f"{c['power_w_median']:>8.0f} {c['temp_c_max']:>6.0f}")
+    return lines
+
+
+def _render_collections(result: dict[str, Any]) -> list[str]:
+    gcr = result.get("gc") or {}
+    per_arm = gcr.get("per_arm") or {}
+    if not per_arm:
+        return []
+    steps = max(1, result["steps"])
+    lines = ["", f"Python garbage collection during each arm's timed steps ({gcr.get('frozen_objects', 0):,} objects "
+                 "frozen after the warmups; train.gc_freeze):",
+             f"{'arm':<16} {'gen0':>6} {'gen1':>6} {'gen2':>6} {'ms/step':>8} {'longest ms':>11}"]
+    for name, c in per_arm.items():
+        n = c["count_by_generation"]
+        lines.append(f"{name:<16} {n[0]:>6} {n[1]:>6} {n[2]:>6} {c['total_ms'] / steps:>8.2f} {c['longest_ms']:>11.2f}")
     return lines
 
 

@@ -27,6 +27,7 @@ from speedrun.errors import ConfigError, DataError
 from speedrun.model import build_model
 from speedrun.model.interface import ForwardArgs
 from speedrun.train.checkpoint import load_latest, load_rank_state, save_checkpoint, save_rank_state
+from speedrun.train.collector import freeze_long_lived, thaw
 from speedrun.train.recipes import build_recipe
 from speedrun.train.runlog import RunLog, environment_lines, new_run_dir, step_line, val_line
 
@@ -567,6 +568,9 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         last_val = validate(0)
     compiled = cfg.train.compile or cfg.train.optimizer_compile
     compiles_before = _compile_count() if compiled else 0
+    frozen = freeze_long_lived() if cfg.train.gc_freeze else 0
+    if frozen:
+        log.print(f"gc: {frozen:,} objects frozen before the timed region (train.gc_freeze)", console=False)
     _sync(device)
     t0 = time.perf_counter()
     recipe.on_clock_start()
@@ -615,6 +619,8 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
             t0 = time.perf_counter()
             window_start = t0
     loader.close()
+    if frozen:
+        thaw()
 
     if compiled:
         # Every shape should have been compiled in the warmup; a compile in the timed region costs
