@@ -95,3 +95,15 @@ def test_train_runs_its_timed_steps_frozen(tmp_path, monkeypatch):
     assert counts[0] == 0 and all(n > 0 for n in counts[1:]) and len(counts) == 4  # warmup step unfrozen
     assert gc.get_freeze_count() == 0
     assert "objects frozen before the timed region" in (res.run_dir / "log.txt").read_text()
+
+
+def test_profile_records_its_steps_with_the_heap_frozen(monkeypatch):
+    from speedrun.evidence import bench
+    from speedrun.evidence.profile import profile_steps
+
+    counts = []
+    real = bench.Session.step
+    monkeypatch.setattr(bench.Session, "step", lambda self, *a, **k: counts.append(gc.get_freeze_count()) or real(self, *a, **k))
+    profile_steps("t=tiny", common=SMALL, steps=2, warmup=1, measure=False)
+    assert counts[0] == 0 and all(n > 0 for n in counts[1:]) and len(counts) == 3
+    assert gc.get_freeze_count() == 0

@@ -680,6 +680,7 @@ def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int
     from speedrun.errors import ConfigError
     from speedrun.evidence.arms import ArmSpec, parse_arm
     from speedrun.evidence.bench import build_session
+    from speedrun.train.collector import freeze_long_lived, thaw
 
     spec = arm if isinstance(arm, ArmSpec) else parse_arm(arm)
     if steps < 1 or warmup < 0:
@@ -695,9 +696,12 @@ def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int
         raise ConfigError("--device-only records GPU activity alone: it needs a CUDA GPU and excludes --stacks and --ncu")
     session = build_session(spec.name, cfg, stage, info)
     notes = []
+    frozen = 0
     try:
         for _ in range(warmup):
             session.step()
+        # as in `bench step`: a full collection inside a profiled step would show as idle GPU time
+        frozen = freeze_long_lived() if cfg.train.gc_freeze else 0
         if ceilings is None:
             if on_gpu and measure:
                 ceilings = measure_ceilings(info.device)
@@ -719,6 +723,8 @@ def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int
                 torch.cuda.synchronize(info.device)
             wall_us = (time.perf_counter() - t0) * 1e6
     finally:
+        if frozen:
+            thaw()
         session.close()
     events = prof.events()
     default_dtype = str(session.dtype).removeprefix("torch.")
