@@ -11,9 +11,10 @@ candidate at stage 3, any arm at stage 1 on one GPU) pays that stall in full.
 :func:`freeze_long_lived` runs one full collection and then moves every surviving object to the
 collector's permanent generation (``gc.freeze()``): later collections skip them, while the objects
 each step creates and drops are still collected as before.  ``train.gc_freeze`` (on by default)
-applies it after the warmup in ``speedrun train`` and after the arms' warmups in ``speedrun bench
-step``; both :func:`thaw` when they finish.  :class:`CollectionMeter` sums the collector's pauses per label (the bench labels each
-arm's timed steps) through ``gc.callbacks``.
+applies it after the warmup in ``speedrun train``, after the arms' warmups in ``speedrun bench
+step`` and before the profiled steps of ``speedrun profile``; each :func:`thaw` when it finishes.
+:class:`CollectionMeter` sums the collector's pauses per label (the bench labels each arm's timed
+steps) through ``gc.callbacks``.
 """
 
 from __future__ import annotations
