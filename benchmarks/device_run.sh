@@ -83,7 +83,15 @@ for part in $parts; do
       done  # (the bench samples each arm's SM clock and power itself: its table's "GPU clocks")
       # every stage benched: each arm's whole-run time from its own schedule
       set -- "$OUT"/bench_step_stage*.json
-      [ "$#" -ge 3 ] && python3 -m speedrun bench project "$@" --json "$OUT/projection.json" 2>&1 | tail -12 ;;
+      [ "$#" -ge 3 ] && python3 -m speedrun bench project "$@" --json "$OUT/projection.json" 2>&1 | tail -12
+      # upstream ran on this machine (upstream_f411b3d.sh, UP_DIR): every arm / upstream per benched stage
+      uplog=$(ls -t "${UP_DIR:-/tmp/up}"/logs/*.txt 2>/dev/null | head -1)
+      if [ -n "$uplog" ]; then
+        for f in "$@"; do
+          [ -e "$f" ] && python3 benchmarks/upstream_step_times.py "$uplog" --config "${UP_DIR:-/tmp/up}/bench_config.json" \
+            --ours "$f" 2>&1 | grep -A20 "^ours "
+        done
+      fi ;;
     profile)
       # PROFILE_ARMS: which presets; PROFILE_STAGE: the stage index whose shapes are profiled (default 2);
       # PROFILE_DEVICE_ONLY=1: GPU activity alone (the timeline's idle gaps near an unprofiled step's,

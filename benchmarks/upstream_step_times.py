@@ -13,8 +13,15 @@ Stage starts (0-based steps of stage 1, 2, 3 and the extension) come from ``--st
 The first ``--skip`` (2) steps of each stage are left out of its statistics: they carry the
 batch-size switch and any lag from the previous stage.
 
+With ``--ours BENCH.json`` (``speedrun bench step --json`` on the same machine), each of our
+arms is set against upstream's stage of the bench's stage index (0 -> stage1, ...): the ratio of
+the medians, ours / upstream, with an unpaired bootstrap CI (the two programs cannot be
+interleaved).  Our sample is one step timed alone (``arm``) or the mean of K chained steps
+(``arm@K``, ``--chain``); upstream's delta is a step of a run issued back to back, which
+``arm@K`` resembles.
+
 Usage:  python benchmarks/upstream_step_times.py LOG [--stages 0,35,70,105 | --scheduled 105 |
-        --config bench_config.json] [--skip 2] [--json OUT.json]
+        --config bench_config.json] [--skip 2] [--json OUT.json] [--ours BENCH.json]
 """
 
 from __future__ import annotations
@@ -81,8 +88,37 @@ def stage_stats(times: dict[int, float], name: str, lo: int, hi: int, skip: int)
     xs = [times[s] for s in range(lo + skip, hi) if s in times]
     row = {"stage": name, "steps": [lo, hi], "measured": len(xs)}
     if xs:
-        row.update(median_ms=statistics.median(xs), mean_ms=statistics.fmean(xs), min_ms=min(xs), max_ms=max(xs))
+        row.update(median_ms=statistics.median(xs), mean_ms=statistics.fmean(xs), min_ms=min(xs), max_ms=max(xs),
+                   times_ms=xs)
     return row
+
+
+def against_ours(res: dict, bench: dict, seed: int = 0) -> list[dict]:
+    """Each arm of our ``bench step`` result against upstream's stage of the same index:
+    ``{"arm", "stage", "ours_ms", "upstream_ms", "ratio", "ci_low", "ci_high", ...}``."""
+    from speedrun.evidence.bench import unpaired_ratio_ci
+
+    index = int(bench["stage"])
+    if not 0 <= index < 3:
+        raise DataError(f"our bench timed stage index {index}; upstream's log has stages 0-2 (stage1-stage3)")
+    up = res["stages"][index]
+    if up["measured"] < 2:
+        raise DataError(f"{res['log']}: {up['stage']} has {up['measured']} timed steps after the skip; need >= 2")
+    rows = []
+    for arm in bench["arms"]:
+        r = unpaired_ratio_ci(up["times_ms"], arm["times_ms"], seed=seed)
+        rows.append({"arm": arm["name"], "chain": arm.get("chain", 1), "stage": up["stage"],
+                     "ours_ms": arm["median_ms"], "ours_n": len(arm["times_ms"]),
+                     "upstream_ms": up["median_ms"], "upstream_n": up["measured"], **r})
+    return rows
+
+
+def format_against(rows: list[dict]) -> str:
+    lines = [f"{'ours':14s} {'stage':7s} {'ours ms':>9s} {'upstream ms':>12s}  ours / upstream [95% CI, unpaired bootstrap]"]
+    for r in rows:
+        lines.append(f"{r['arm']:14s} {r['stage']:7s} {r['ours_ms']:9.2f} {r['upstream_ms']:12.2f}  "
+                     f"{r['ratio']:.4f} [{r['ci_low']:.4f}, {r['ci_high']:.4f}]  (n {r['ours_n']} / {r['upstream_n']})")
+    return "\n".join(lines)
 
 
 def summarize(path: Path, starts: list[int] | None, skip: int) -> dict:
@@ -145,13 +181,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", type=Path, help="bench_config.json written by upstream_f411b3d.py")
     ap.add_argument("--skip", type=int, default=2, help="steps left out at the start of each stage")
     ap.add_argument("--json", type=Path, help="also write the result here")
+    ap.add_argument("--ours", type=Path, metavar="BENCH.json",
+                    help="`speedrun bench step --json` output of the same machine: each arm / upstream's stage")
     args = ap.parse_args(argv)
     try:
         res = summarize(args.log, resolve_starts(args), args.skip)
+        if args.ours is not None:
+            res["against_ours"] = against_ours(res, json.loads(args.ours.read_text()))
     except (DataError, OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_table(res))
+    if "against_ours" in res:
+        print(format_against(res["against_ours"]))
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
     return 0

@@ -55,6 +55,20 @@ def test_statistics():
         bootstrap_ratio_ci(a, b[:-1])
 
 
+def test_unpaired_ratio_interval():
+    from speedrun.evidence.bench import unpaired_ratio_ci
+
+    rng = np.random.default_rng(1)
+    base, cand = 100 + rng.normal(0, 1, 13), 95 + rng.normal(0, 1, 20)  # different lengths: two programs
+    r = unpaired_ratio_ci(base, cand, seed=3)
+    assert r["ratio"] == pytest.approx(np.median(cand) / np.median(base))
+    assert r["ci_low"] < r["ratio"] < r["ci_high"] < 1.0 and r == unpaired_ratio_ci(base, cand, seed=3)
+    wide = unpaired_ratio_ci(100 + rng.normal(0, 10, 13), 95 + rng.normal(0, 10, 20), seed=3)
+    assert wide["ci_high"] - wide["ci_low"] > 3 * (r["ci_high"] - r["ci_low"])
+    with pytest.raises(ValueError, match=">= 2 times"):
+        unpaired_ratio_ci([1.0], [1.0, 2.0])
+
+
 def test_bench_step_two_arms_table_and_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["bench", "step", "--arm", "base=tiny", "--arm", "cand=tiny:model.qk_head_dim=32,model.mlp_ratio=2",

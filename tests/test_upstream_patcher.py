@@ -271,6 +271,27 @@ def test_step_times_per_stage(tmp_path):
     assert res["final_train_time_ms"] is not None
 
 
+def test_step_times_against_our_bench(tmp_path, capsys):
+    """--ours: each arm of our bench JSON against upstream's stage of the same index, as the ratio of
+    medians with an unpaired bootstrap interval; a stage the log does not have is a clear error."""
+    log = _log(tmp_path, per_stage_ms=(100, 200, 300, 310), starts=(0, 6, 12, 18), total=20)
+    bench = {"stage": 2, "arms": [{"name": "base", "median_ms": 303.0, "times_ms": [302.0, 303.0, 304.0, 303.0]},
+                                  {"name": "base@3", "chain": 3, "median_ms": 297.0, "times_ms": [296.0, 297.0, 298.0]}]}
+    ours = tmp_path / "bench.json"
+    ours.write_text(json.dumps(bench))
+    out = tmp_path / "steps.json"
+    assert steps.main([str(log), "--ours", str(ours), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["against_ours"]
+    assert [r["arm"] for r in rows] == ["base", "base@3"] and rows[1]["chain"] == 3
+    assert all(r["stage"] == "stage3" and r["upstream_ms"] == 300 and r["upstream_n"] == 4 for r in rows)
+    assert rows[0]["ratio"] == pytest.approx(303 / 300) and rows[1]["ratio"] == pytest.approx(297 / 300)
+    assert all(r["ci_low"] <= r["ratio"] <= r["ci_high"] for r in rows)
+    assert "ours / upstream" in capsys.readouterr().out
+    ours.write_text(json.dumps({**bench, "stage": 3}))
+    assert steps.main([str(log), "--ours", str(ours)]) == 2
+    assert "stage index 3" in capsys.readouterr().err
+
+
 def test_step_time_stage_starts_from_options():
     assert steps.starts_from_scheduled(105) == [0, 35, 70, 105]
     with pytest.raises(Exception, match="3 transitions"):
