@@ -27,6 +27,11 @@ short_run() {
     --val-data "$SPEEDRUN_TEST_DATA/webmix_val_*.bin" --set train.max_docs=256 --quiet 2>&1 | tail -30
   cp /tmp/runs/"$1"-short-*/log.txt "$OUT/$1_short_log.txt" 2>/dev/null
   grep -E "warmup|stage [0-9]|val_loss|compilations|peak" "$OUT/$1_short_log.txt" 2>/dev/null | grep -v "^step:[0-9]*/[0-9]* train_time" | tail -12
+  # upstream ran on this machine (upstream_f411b3d.sh, UP_DIR): the same steps of both, stage by stage
+  # (meaningful when the schedules match: SHORT_STEPS=47 SHORT_EXT=2 against --scheduled 45 --extension 2)
+  local uplog; uplog=$(ls -t "${UP_DIR:-/tmp/up}"/logs/*.txt 2>/dev/null | head -1)
+  [ -n "$uplog" ] && [ -e "$OUT/$1_short_log.txt" ] && python3 benchmarks/upstream_step_times.py "$uplog" \
+    --config "${UP_DIR:-/tmp/up}/bench_config.json" --ours "$OUT/$1_short_log.txt" 2>&1 | grep -A8 "^ours "
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
 if [ -d .carry ] && ls .carry/*.xz >/dev/null 2>&1; then

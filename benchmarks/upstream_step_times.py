@@ -18,10 +18,15 @@ arms is set against upstream's stage of the bench's stage index (0 -> stage1, ..
 the medians, ours / upstream, with an unpaired bootstrap CI (the two programs cannot be
 interleaved).  Our sample is one step timed alone (``arm``) or the mean of K chained steps
 (``arm@K``, ``--chain``); upstream's delta is a step of a run issued back to back, which
-``arm@K`` resembles.
+``arm@K`` resembles.  The bench steps a freshly initialised model, upstream's log a model
+trained up to that step (tensor-core power depends on the operands, and at the H200's power
+limit so does the clock): ``--ours LOG``, our ``speedrun train`` log of the same schedule
+(``SHORT_STEPS=47 SHORT_EXT=2 bash benchmarks/device_run.sh recordrun`` against
+``upstream_f411b3d.sh --scheduled 45 --extension 2``), compares the same steps of both, stage by
+stage, with the same stage starts and skip.
 
 Usage:  python benchmarks/upstream_step_times.py LOG [--stages 0,35,70,105 | --scheduled 105 |
-        --config bench_config.json] [--skip 2] [--json OUT.json] [--ours BENCH.json]
+        --config bench_config.json] [--skip 2] [--json OUT.json] [--ours BENCH.json | --ours OUR_LOG]
 """
 
 from __future__ import annotations
@@ -113,6 +118,23 @@ def against_ours(res: dict, bench: dict, seed: int = 0) -> list[dict]:
     return rows
 
 
+def against_our_log(res: dict, ours: dict, seed: int = 0) -> list[dict]:
+    """Stage by stage, our training log's step times (``summarize`` of a ``speedrun train`` log of
+    the same schedule) against upstream's: same rows as :func:`against_ours`, arm ``log``."""
+    from speedrun.evidence.bench import unpaired_ratio_ci
+
+    rows = []
+    for up, mine in zip(res["stages"], ours["stages"]):
+        if up["measured"] < 2 or mine["measured"] < 2:
+            continue
+        r = unpaired_ratio_ci(up["times_ms"], mine["times_ms"], seed=seed)
+        rows.append({"arm": "log", "chain": 1, "stage": up["stage"], "ours_ms": mine["median_ms"],
+                     "ours_n": mine["measured"], "upstream_ms": up["median_ms"], "upstream_n": up["measured"], **r})
+    if not rows:
+        raise DataError(f"{ours['log']}: no stage with >= 2 timed steps on both sides")
+    return rows
+
+
 def format_against(rows: list[dict]) -> str:
     lines = [f"{'ours':14s} {'stage':7s} {'ours ms':>9s} {'upstream ms':>12s}  ours / upstream [95% CI, unpaired bootstrap]"]
     for r in rows:
@@ -181,13 +203,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", type=Path, help="bench_config.json written by upstream_f411b3d.py")
     ap.add_argument("--skip", type=int, default=2, help="steps left out at the start of each stage")
     ap.add_argument("--json", type=Path, help="also write the result here")
-    ap.add_argument("--ours", type=Path, metavar="BENCH.json",
-                    help="`speedrun bench step --json` output of the same machine: each arm / upstream's stage")
+    ap.add_argument("--ours", type=Path, metavar="BENCH.json|LOG",
+                    help="`speedrun bench step --json` output of the same machine (each arm / upstream's stage), "
+                         "or our `speedrun train` log of the same schedule (stage by stage)")
     args = ap.parse_args(argv)
     try:
         res = summarize(args.log, resolve_starts(args), args.skip)
-        if args.ours is not None:
+        if args.ours is not None and args.ours.suffix == ".json":
             res["against_ours"] = against_ours(res, json.loads(args.ours.read_text()))
+        elif args.ours is not None:  # our own training log of the same schedule
+            res["against_ours"] = against_our_log(res, summarize(args.ours, res["stage_starts"], args.skip))
     except (DataError, OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -290,6 +290,13 @@ def test_step_times_against_our_bench(tmp_path, capsys):
     ours.write_text(json.dumps({**bench, "stage": 3}))
     assert steps.main([str(log), "--ours", str(ours)]) == 2
     assert "stage index 3" in capsys.readouterr().err
+    # our own training log of the same schedule: stage by stage, with upstream's stage starts
+    (tmp_path / "mine").mkdir()
+    mine = _log(tmp_path / "mine", per_stage_ms=(110, 190, 303, 310), starts=(0, 6, 12, 18), total=20)
+    assert steps.main([str(log), "--ours", str(mine), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["against_ours"]
+    assert [r["stage"] for r in rows] == ["stage1", "stage2", "stage3"]  # the extension: 2 steps, both skipped
+    assert [round(r["ratio"], 4) for r in rows] == [1.1, 0.95, 1.01]
 
 
 def test_step_time_stage_starts_from_options():
