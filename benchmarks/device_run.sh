@@ -46,8 +46,9 @@ for part in $parts; do
       log "GPU tests"
       # TESTS_PATHS: which test files or folders (default: all of tests/); TESTS_ARGS: extra pytest arguments
       # (split at spaces); TESTS_K: a -k expression, passed whole ("a or b")
-      # (the whole output goes to gpu_tests.txt; the call's screen gets its last 25 lines)
-      timeout "$(left ${TESTS_S:-400})" python3 -m pytest -q -m gpu ${TESTS_PATHS:-tests} ${TESTS_ARGS:-} \
+      # (the whole output goes to gpu_tests.txt, one line per test as it ends, so a part cut by its
+      # time limit still names what passed; the call's screen gets its last 25 lines)
+      timeout "$(left ${TESTS_S:-400})" python3 -m pytest -v -m gpu ${TESTS_PATHS:-tests} ${TESTS_ARGS:-} \
         ${TESTS_K:+-k "$TESTS_K"} > "$OUT/gpu_tests.txt" 2>&1
       tail -25 "$OUT/gpu_tests.txt" ;;
     doctor)
