@@ -98,38 +98,32 @@ def stage_stats(times: dict[int, float], name: str, lo: int, hi: int, skip: int)
     return row
 
 
+def _row(arm: str, chain: int, up: dict, ours_ms: list[float], seed: int) -> dict:
+    """One comparison row: our times against upstream's stage ``up`` (median ratio, unpaired CI)."""
+    from speedrun.evidence.bench import unpaired_ratio_ci
+
+    return {"arm": arm, "chain": chain, "stage": up["stage"], "ours_ms": statistics.median(ours_ms),
+            "ours_n": len(ours_ms), "upstream_ms": up["median_ms"], "upstream_n": up["measured"],
+            **unpaired_ratio_ci(up["times_ms"], ours_ms, seed=seed)}
+
+
 def against_ours(res: dict, bench: dict, seed: int = 0) -> list[dict]:
     """Each arm of our ``bench step`` result against upstream's stage of the same index:
     ``{"arm", "stage", "ours_ms", "upstream_ms", "ratio", "ci_low", "ci_high", ...}``."""
-    from speedrun.evidence.bench import unpaired_ratio_ci
-
     index = int(bench["stage"])
     if not 0 <= index < 3:
         raise DataError(f"our bench timed stage index {index}; upstream's log has stages 0-2 (stage1-stage3)")
     up = res["stages"][index]
     if up["measured"] < 2:
         raise DataError(f"{res['log']}: {up['stage']} has {up['measured']} timed steps after the skip; need >= 2")
-    rows = []
-    for arm in bench["arms"]:
-        r = unpaired_ratio_ci(up["times_ms"], arm["times_ms"], seed=seed)
-        rows.append({"arm": arm["name"], "chain": arm.get("chain", 1), "stage": up["stage"],
-                     "ours_ms": arm["median_ms"], "ours_n": len(arm["times_ms"]),
-                     "upstream_ms": up["median_ms"], "upstream_n": up["measured"], **r})
-    return rows
+    return [_row(arm["name"], arm.get("chain", 1), up, arm["times_ms"], seed) for arm in bench["arms"]]
 
 
 def against_our_log(res: dict, ours: dict, seed: int = 0) -> list[dict]:
     """Stage by stage, our training log's step times (``summarize`` of a ``speedrun train`` log of
     the same schedule) against upstream's: same rows as :func:`against_ours`, arm ``log``."""
-    from speedrun.evidence.bench import unpaired_ratio_ci
-
-    rows = []
-    for up, mine in zip(res["stages"], ours["stages"]):
-        if up["measured"] < 2 or mine["measured"] < 2:
-            continue
-        r = unpaired_ratio_ci(up["times_ms"], mine["times_ms"], seed=seed)
-        rows.append({"arm": "log", "chain": 1, "stage": up["stage"], "ours_ms": mine["median_ms"],
-                     "ours_n": mine["measured"], "upstream_ms": up["median_ms"], "upstream_n": up["measured"], **r})
+    rows = [_row("log", 1, up, mine["times_ms"], seed) for up, mine in zip(res["stages"], ours["stages"])
+            if up["measured"] >= 2 and mine["measured"] >= 2]
     if not rows:
         raise DataError(f"{ours['log']}: no stage with >= 2 timed steps on both sides")
     return rows
