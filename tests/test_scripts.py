@@ -183,6 +183,28 @@ def test_device_run_packs_more_than_eight_outputs(tmp_path):
     assert "packed" not in res.stdout and (few / "gpu.txt").exists()
 
 
+def test_device_run_short_run_passes_short_set_overrides(tmp_path):
+    """recordrun's training gets the shortened schedule and every SHORT_SET override as --set."""
+    bash = shutil.which("bash") or pytest.skip("no bash")
+    script = [s for s in SCRIPTS if s.name == "device_run.sh"][0]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    stub = bin_dir / "python3"  # records its arguments instead of training
+    stub.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    stub.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "BUDGET_S": "30",
+           "SPEEDRUN_TEST_DATA": str(tmp_path), "SHORT_STEPS": "47", "SHORT_EXT": "2",
+           "SHORT_SET": "model.mlp_input_quant=graph  model.embedding_grad=atomic_graph"}
+    res = subprocess.run([bash, str(script), "recordrun"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    train = [line for line in calls.read_text().splitlines() if "speedrun train" in line]
+    assert len(train) == 1, res.stdout + res.stderr
+    args = train[0].split()
+    assert args[args.index("--steps") + 1] == "47" and "train.num_extension=2" in args
+    sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    assert sets[-2:] == ["model.mlp_input_quant=graph", "model.embedding_grad=atomic_graph"], sets
+
+
 def test_gpu_clocks_summarizes_each_phase_from_busy_samples(tmp_path, capsys, monkeypatch):
     import importlib.util
 
