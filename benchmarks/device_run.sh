@@ -21,12 +21,13 @@ left() { local r=$(( DEADLINE - $(date +%s) - 5 )); [ "$r" -lt "$1" ] && echo $(
 # --extension 2` (then: python3 benchmarks/upstream_step_times.py $OUT/record_short_log.txt --scheduled 45).
 # SHORT_SET: extra overrides, space-separated (e.g. "model.mlp_input_quant=graph").
 short_run() {
-  local steps=${SHORT_STEPS:-140} ext=${SHORT_EXT:-35} sets="" kv
-  for kv in ${SHORT_SET:-}; do sets="$sets --set $kv"; done
+  local steps=${SHORT_STEPS:-140} ext=${SHORT_EXT:-35} kv kvs sets=()
+  read -ra kvs <<< "${SHORT_SET:-}"  # split at spaces, no glob expansion (an override may hold a '*')
+  for kv in ${kvs[@]+"${kvs[@]}"}; do sets+=(--set "$kv"); done
   log "$1 preset, shortened schedule ($((steps - ext)) + $ext steps) on webmix"
   timeout "$(left "$2")" python3 -m speedrun train --preset "$1" --steps "$steps" --set train.num_extension="$ext" \
     --out /tmp/runs --name "$1-short" --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" \
-    --val-data "$SPEEDRUN_TEST_DATA/webmix_val_*.bin" --set train.max_docs=256 $sets --quiet 2>&1 | tail -30
+    --val-data "$SPEEDRUN_TEST_DATA/webmix_val_*.bin" --set train.max_docs=256 ${sets[@]+"${sets[@]}"} --quiet 2>&1 | tail -30
   cp /tmp/runs/"$1"-short-*/log.txt "$OUT/$1_short_log.txt" 2>/dev/null
   grep -E "warmup|stage [0-9]|val_loss|compilations|peak" "$OUT/$1_short_log.txt" 2>/dev/null | grep -v "^step:[0-9]*/[0-9]* train_time" | tail -12
   # upstream ran on this machine (upstream_f411b3d.sh, UP_DIR): the same steps of both, stage by stage

@@ -195,14 +195,15 @@ def test_device_run_short_run_passes_short_set_overrides(tmp_path):
     stub.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "BUDGET_S": "30",
            "SPEEDRUN_TEST_DATA": str(tmp_path), "SHORT_STEPS": "47", "SHORT_EXT": "2",
-           "SHORT_SET": "model.mlp_input_quant=graph  model.embedding_grad=atomic_graph"}
+           "SHORT_SET": "model.mlp_input_quant=graph  model.embedding_grad=atomic_graph data.val_files=*.bin"}
+    (tmp_path / "data.val_files=a.bin").touch()  # an unquoted override would expand to this name
     res = subprocess.run([bash, str(script), "recordrun"], capture_output=True, text=True, env=env, cwd=tmp_path)
     train = [line for line in calls.read_text().splitlines() if "speedrun train" in line]
     assert len(train) == 1, res.stdout + res.stderr
     args = train[0].split()
     assert args[args.index("--steps") + 1] == "47" and "train.num_extension=2" in args
     sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
-    assert sets[-2:] == ["model.mlp_input_quant=graph", "model.embedding_grad=atomic_graph"], sets
+    assert sets[-3:] == ["model.mlp_input_quant=graph", "model.embedding_grad=atomic_graph", "data.val_files=*.bin"], sets
 
 
 def test_gpu_clocks_summarizes_each_phase_from_busy_samples(tmp_path, capsys, monkeypatch):
