@@ -107,3 +107,24 @@ def test_profile_records_its_steps_with_the_heap_frozen(monkeypatch):
     profile_steps("t=tiny", common=SMALL, steps=2, warmup=1, measure=False)
     assert counts[0] == 0 and all(n > 0 for n in counts[1:]) and len(counts) == 3
     assert gc.get_freeze_count() == 0
+
+
+def test_train_thaws_the_heap_when_a_timed_step_fails(tmp_path, monkeypatch):
+    from speedrun.config import preset
+    from speedrun.train import loop
+
+    real = loop.run_step
+
+    def failing(*a, **k):  # the warmup step runs, the first timed step fails
+        if gc.get_freeze_count():
+            raise RuntimeError("step failed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop, "run_step", failing)
+    cfg = preset("tiny")
+    cfg.train.steps, cfg.train.val_every, cfg.train.warmup_steps = 3, 0, 1
+    cfg.train.val_tokens = 4096
+    cfg.out_dir = str(tmp_path)
+    with pytest.raises(RuntimeError, match="step failed"):
+        loop.train(cfg, console=False)
+    assert gc.get_freeze_count() == 0

@@ -577,50 +577,52 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     window_start, window_steps = t0, 0
     loss_acc = torch.zeros((), device=device)
     step_ms: dict[int, list[float]] = {i: [] for i in range(len(stages))}
-    for step in range(start_step, total_steps):
-        si = recipe.stage_index(step)
-        if si != stage_index:
-            stage_index = si
-            set_loader_shape(si)
-        loss_acc += run_step(run_model, recipe, loader, step, cfg, info, dtype)
-        window_steps += 1
-        done = step + 1
-        is_last = done == total_steps
-        want_log = done % cfg.train.log_every == 0 or is_last
-        want_val = is_last or (cfg.train.val_every > 0 and done % cfg.train.val_every == 0)
-        want_ckpt = is_last or (cfg.train.checkpoint_every > 0 and done % cfg.train.checkpoint_every == 0) \
-            or done == stop_after
-        if want_log or want_val or want_ckpt:
-            _sync(device)
-            now = time.perf_counter()
-            train_ms += (now - t0) * 1000
-            step_avg = train_ms / done
-            if window_steps == 1:  # one step since the clock last started: its own time
-                step_ms[si].append((now - t0) * 1000)
-            if want_log:
-                mean_loss = loss_acc.item() / window_steps
-                tok_s = window_steps * stages[si].batch_tokens / max(now - window_start, 1e-9)
-                eta = (total_steps - done) * step_avg / 1000
-                log.print(step_line(done, total_steps, train_ms, step_avg), console=False)
-                log.metric(event="train", step=done, loss=mean_loss, train_time_ms=train_ms, tokens_per_s=tok_s)
-                if log.console:
-                    print(f"step {done}/{total_steps}  loss {mean_loss:.4f}  {tok_s:,.0f} tok/s  "
-                          f"step_avg {step_avg:.1f}ms  eta {_fmt_eta(eta)}", flush=True)
-                loss_acc.zero_()
-                window_steps = 0
-            if want_val:
-                last_val = validate(done)
-            if want_ckpt:
-                checkpoint(done)
-            if done == stop_after and not is_last:
-                stopped = True
-                break
-            _sync(device)
-            t0 = time.perf_counter()
-            window_start = t0
+    try:  # the heap is thawed however the loop ends
+        for step in range(start_step, total_steps):
+            si = recipe.stage_index(step)
+            if si != stage_index:
+                stage_index = si
+                set_loader_shape(si)
+            loss_acc += run_step(run_model, recipe, loader, step, cfg, info, dtype)
+            window_steps += 1
+            done = step + 1
+            is_last = done == total_steps
+            want_log = done % cfg.train.log_every == 0 or is_last
+            want_val = is_last or (cfg.train.val_every > 0 and done % cfg.train.val_every == 0)
+            want_ckpt = is_last or (cfg.train.checkpoint_every > 0 and done % cfg.train.checkpoint_every == 0) \
+                or done == stop_after
+            if want_log or want_val or want_ckpt:
+                _sync(device)
+                now = time.perf_counter()
+                train_ms += (now - t0) * 1000
+                step_avg = train_ms / done
+                if window_steps == 1:  # one step since the clock last started: its own time
+                    step_ms[si].append((now - t0) * 1000)
+                if want_log:
+                    mean_loss = loss_acc.item() / window_steps
+                    tok_s = window_steps * stages[si].batch_tokens / max(now - window_start, 1e-9)
+                    eta = (total_steps - done) * step_avg / 1000
+                    log.print(step_line(done, total_steps, train_ms, step_avg), console=False)
+                    log.metric(event="train", step=done, loss=mean_loss, train_time_ms=train_ms, tokens_per_s=tok_s)
+                    if log.console:
+                        print(f"step {done}/{total_steps}  loss {mean_loss:.4f}  {tok_s:,.0f} tok/s  "
+                              f"step_avg {step_avg:.1f}ms  eta {_fmt_eta(eta)}", flush=True)
+                    loss_acc.zero_()
+                    window_steps = 0
+                if want_val:
+                    last_val = validate(done)
+                if want_ckpt:
+                    checkpoint(done)
+                if done == stop_after and not is_last:
+                    stopped = True
+                    break
+                _sync(device)
+                t0 = time.perf_counter()
+                window_start = t0
+    finally:
+        if frozen:
+            thaw()
     loader.close()
-    if frozen:
-        thaw()
 
     if compiled:
         # Every shape should have been compiled in the warmup; a compile in the timed region costs
