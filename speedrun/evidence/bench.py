@@ -216,15 +216,10 @@ def bootstrap_ratio_ci(base_ms: Sequence[float], cand_ms: Sequence[float], *, n_
     b = np.asarray(cand_ms, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1 or a.size < 2:
         raise ValueError(f"need two equally long series of >= 2 times, got {a.shape} and {b.shape}")
-    if not 0 < level < 1:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
+    _check_level(level)
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, a.size, size=(n_boot, a.size))
-    ratios = np.median(b[idx], axis=1) / np.median(a[idx], axis=1)
-    alpha = (1 - level) / 2
-    lo, hi = np.quantile(ratios, [alpha, 1 - alpha])
-    return {"ratio": float(np.median(b) / np.median(a)), "ci_low": float(lo), "ci_high": float(hi),
-            "level": level, "n_boot": n_boot}
+    return _ratio_interval(a, b, np.median(b[idx], axis=1) / np.median(a[idx], axis=1), level, n_boot)
 
 
 def unpaired_ratio_ci(base_ms: Sequence[float], cand_ms: Sequence[float], *, n_boot: int = 5000,
@@ -236,13 +231,22 @@ def unpaired_ratio_ci(base_ms: Sequence[float], cand_ms: Sequence[float], *, n_b
     b = np.asarray(cand_ms, dtype=np.float64)
     if a.ndim != 1 or b.ndim != 1 or a.size < 2 or b.size < 2:
         raise ValueError(f"need two series of >= 2 times, got {a.shape} and {b.shape}")
-    if not 0 < level < 1:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
+    _check_level(level)
     rng = np.random.default_rng(seed)
     ra = np.median(a[rng.integers(0, a.size, size=(n_boot, a.size))], axis=1)
     rb = np.median(b[rng.integers(0, b.size, size=(n_boot, b.size))], axis=1)
+    return _ratio_interval(a, b, rb / ra, level, n_boot)
+
+
+def _check_level(level: float) -> None:
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+
+
+def _ratio_interval(a: np.ndarray, b: np.ndarray, ratios: np.ndarray, level: float, n_boot: int) -> dict[str, float]:
+    """The bootstraps' common result: the ratio of the medians and the percentile interval of ``ratios``."""
     alpha = (1 - level) / 2
-    lo, hi = np.quantile(rb / ra, [alpha, 1 - alpha])
+    lo, hi = np.quantile(ratios, [alpha, 1 - alpha])
     return {"ratio": float(np.median(b) / np.median(a)), "ci_low": float(lo), "ci_high": float(hi),
             "level": level, "n_boot": n_boot}
 
