@@ -30,11 +30,17 @@ short_run() {
     --val-data "$SPEEDRUN_TEST_DATA/webmix_val_*.bin" --set train.max_docs=256 ${sets[@]+"${sets[@]}"} --quiet 2>&1 | tail -30
   cp /tmp/runs/"$1"-short-*/log.txt "$OUT/$1_short_log.txt" 2>/dev/null
   grep -E "warmup|stage [0-9]|val_loss|compilations|peak" "$OUT/$1_short_log.txt" 2>/dev/null | grep -v "^step:[0-9]*/[0-9]* train_time" | tail -12
-  # upstream ran on this machine (upstream_f411b3d.sh, UP_DIR): the same steps of both, stage by stage
-  # (meaningful when the schedules match: SHORT_STEPS=47 SHORT_EXT=2 against --scheduled 45 --extension 2)
+  # the same steps of both, stage by stage (meaningful when the schedules match: SHORT_STEPS=47
+  # SHORT_EXT=2 against upstream_f411b3d.sh --scheduled 45 --extension 2)
+  vs_upstream "$OUT/$1_short_log.txt" 8
+}
+# vs_upstream OURS ROWS: when upstream ran on this machine (upstream_f411b3d.sh, UP_DIR), OURS (a
+# bench JSON or our training log) against upstream's log: upstream_step_times.py's comparison table
+vs_upstream() {
   local uplog; uplog=$(ls -t "${UP_DIR:-/tmp/up}"/logs/*.txt 2>/dev/null | head -1)
-  [ -n "$uplog" ] && [ -e "$OUT/$1_short_log.txt" ] && python3 benchmarks/upstream_step_times.py "$uplog" \
-    --config "${UP_DIR:-/tmp/up}/bench_config.json" --ours "$OUT/$1_short_log.txt" 2>&1 | grep -A8 "^ours "
+  [ -n "$uplog" ] && [ -e "$1" ] || return 0
+  python3 benchmarks/upstream_step_times.py "$uplog" --config "${UP_DIR:-/tmp/up}/bench_config.json" \
+    --ours "$1" 2>&1 | grep -A"$2" "^ours "
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
 if [ -d .carry ] && ls .carry/*.xz >/dev/null 2>&1; then
@@ -93,14 +99,8 @@ for part in $parts; do
       # every stage benched: each arm's whole-run time from its own schedule
       set -- "$OUT"/bench_step_stage*.json
       [ "$#" -ge 3 ] && python3 -m speedrun bench project "$@" --json "$OUT/projection.json" 2>&1 | tail -12
-      # upstream ran on this machine (upstream_f411b3d.sh, UP_DIR): every arm / upstream per benched stage
-      uplog=$(ls -t "${UP_DIR:-/tmp/up}"/logs/*.txt 2>/dev/null | head -1)
-      if [ -n "$uplog" ]; then
-        for f in "$@"; do
-          [ -e "$f" ] && python3 benchmarks/upstream_step_times.py "$uplog" --config "${UP_DIR:-/tmp/up}/bench_config.json" \
-            --ours "$f" 2>&1 | grep -A20 "^ours "
-        done
-      fi ;;
+      # every arm / upstream per benched stage, when upstream ran on this machine
+      for f in "$@"; do vs_upstream "$f" 20; done ;;
     profile)
       # PROFILE_ARMS: which presets; PROFILE_STAGE: the stage index whose shapes are profiled (default 2);
       # PROFILE_DEVICE_ONLY=1: GPU activity alone (the timeline's idle gaps near an unprofiled step's,
