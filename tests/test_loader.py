@@ -279,7 +279,9 @@ def test_bigram_hash():
     mod = 377279
     out = bigram_hash(x, mod)
     assert out.dtype == torch.int32 and out[0] == mod
-    for t in range(1, 5):
+    # position 1 pairs with mod, not x[0]: upstream overwrites out[0] before it reads it
+    assert out[1] == (36313 * int(x[1]) ^ 27191 * mod) % mod != (36313 * int(x[1]) ^ 27191 * int(x[0])) % mod
+    for t in range(2, 5):
         assert out[t] == (36313 * int(x[t]) ^ 27191 * int(x[t - 1])) % mod
     assert (out[1:] < mod).all() and (out >= 0).all()
 

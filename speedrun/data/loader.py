@@ -113,7 +113,10 @@ def default_val_max_docs(tokens_per_rank: int) -> int:
 
 
 def bigram_hash(inputs: torch.Tensor, mod: int) -> torch.Tensor:
-    """Bigram-hash ids (recipe §1.4): ``out[0] = mod``, ``out[t] = (36313*x[t] ^ 27191*x[t-1]) % mod``.
+    """Bigram-hash ids (recipe §1.4): ``out[0] = mod``, ``out[t] = (36313*x[t] ^ 27191*p[t]) % mod``
+    with ``p[t] = x[t-1]``, except ``p[1] = mod``: upstream f411b3d hashes in place, writing
+    ``out[0] = mod`` before it reads the previous tokens, so position 1 pairs with ``mod``, not with
+    ``x[0]`` (checked against upstream's own function in ``tests/test_upstream_equivalence.py``).
 
     inputs: (T,) integer token ids.  Returns (T,) int32 in ``[0, mod]``, so the embedding table
     has ``mod + 1`` rows (the record: 377,280 rows, ``mod = 377279``).  Computed in int64.
@@ -125,8 +128,10 @@ def bigram_hash(inputs: torch.Tensor, mod: int) -> torch.Tensor:
     x = inputs.to(torch.int64)
     out = torch.empty_like(x)
     if x.numel():
+        prev = x[:-1].clone()
+        prev[:1] = mod
         out[0] = mod
-        out[1:] = torch.bitwise_xor(36313 * x[1:], 27191 * x[:-1]) % mod
+        out[1:] = torch.bitwise_xor(36313 * x[1:], 27191 * prev) % mod
     return out.to(torch.int32)
 
 
@@ -134,8 +139,10 @@ def _bigram_np(chunk: np.ndarray, mod: int) -> np.ndarray:
     x = chunk.astype(np.int64)
     out = np.empty(x.shape, dtype=np.int64)
     if x.size:
+        prev = x[:-1].copy()
+        prev[:1] = mod  # as bigram_hash
         out[0] = mod
-        np.remainder(np.bitwise_xor(36313 * x[1:], 27191 * x[:-1]), mod, out=out[1:])
+        np.remainder(np.bitwise_xor(36313 * x[1:], 27191 * prev), mod, out=out[1:])
     return out.astype(np.int32)
 
 

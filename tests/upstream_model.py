@@ -1,0 +1,122 @@
+"""Upstream f411b3d's GPT, loaded from its ``train_gpt.py`` on the CPU for equivalence tests.
+
+``train_gpt.py`` is a script: importing it would start a distributed run.  :func:`load_upstream_gpt`
+takes only the class and function definitions the model needs (by name, from the syntax tree),
+applies a few anchored text patches that remove CUDA-only calls, and executes them in a namespace
+that supplies the script's globals (``args``, ``device``, ``world_size``, ...).  Upstream's
+evaluation forward then runs on the CPU with three stand-ins:
+
+- FA3's ``flash_attn_varlen_func``: a dense masked attention with FA3's contract (causal, documents
+  from ``cu_seqlens``, ``window_size=(left, 0)`` lets query ``i`` see keys ``i - left .. i``);
+- the ReLU² MLP's Hopper kernel: ``relu(x @ W1.T)^2 @ W2`` with the square taken in fp32, as the
+  kernel's epilogue does;
+- the DC correction: upstream's own Triton forward kernel (it needs ``TRITON_INTERPRET=1``), called
+  below the wrapper that refuses CPU tensors.
+
+Nothing here is project code: it exists so that tests can run upstream's wiring next to ours.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import math
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# The definitions the evaluation forward uses.
+NEEDED = ("norm", "CastedLinearT", "Yarn", "AttnArgs", "dc_gate", "CausalSelfAttention",
+          "next_multiple_of_n", "ForwardScheduleConfig", "GPT", "get_bigram_hash", "Hyperparameters")
+
+# (anchor, replacement, expected count): CUDA-only calls in the kept definitions.
+PATCHES = (
+    ("torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count", "132", 1),
+    ("torch.empty_like(x, pin_memory=True)", "torch.empty_like(x)", 1),
+    # The key offset copies between overlapping views of k.  Upstream runs it compiled, where the
+    # copy is functionalised and reads k before the write (a shift by one position); eager on the
+    # CPU copies row by row and would smear position 0 down the whole sequence.
+    ("k[:, 1:, :, self.head_dim // 2:] = k[:, :-1, :, self.head_dim // 2:]",
+     "k[:, 1:, :, self.head_dim // 2:] = k[:, :-1, :, self.head_dim // 2:].clone()", 1),
+)
+
+
+def fa3_varlen_reference(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                         softmax_scale, window_size):
+    """FA3's varlen contract on (T, H, D) tensors, dense: fp32 math, output in q's dtype."""
+    assert causal and torch.equal(cu_seqlens_q, cu_seqlens_k)
+    left, right = window_size
+    assert right == 0
+    T = q.shape[0]
+    doc = torch.bucketize(torch.arange(T), cu_seqlens_q[1:].long(), right=True)
+    i = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    allowed = (doc[:, None] == doc[None, :]) & (j <= i)
+    if left >= 0:
+        allowed &= i - j <= left
+    s = torch.einsum("ihd,jhd->hij", q.float(), k.float()) * softmax_scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hij,jhd->ihd", s.softmax(-1), v.float()).to(q.dtype).contiguous()
+
+
+def relu2_mlp_reference(x, w1, w2):
+    """Upstream's ``FusedLinearReLUSquareFunction`` without FP8: ``post = relu(x @ w1.T)^2`` stored
+    in x's dtype, then ``post @ w2`` (w2 is (hidden, D))."""
+    flat = x.reshape(-1, x.shape[-1])
+    post = F.relu((flat @ w1.T).float()).square().to(x.dtype)
+    return (post @ w2).view(x.shape)
+
+
+def _load_file_module(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _dc_forward(dc_module: ModuleType):
+    def dc_correction(base_out, q, k, v, dc_weights, softmax_lse, *, scaling, window, seq_lens):
+        assert softmax_lse is None
+        w1, w2 = dc_weights
+        return dc_module._dc_attention_postonly_correction_add_base_forward_impl(
+            q, k, v, w1, w2, seq_lens.to(torch.int32), scaling, window, 16, base_out=base_out)
+    return dc_correction
+
+
+def load_upstream_gpt(src: Path, *, bigram_vocab_size: int, val_batch_size: int = 8192) -> SimpleNamespace:
+    """The namespace of upstream's model definitions (``GPT``, ``ForwardScheduleConfig``,
+    ``get_bigram_hash``, ``args``, ...), ready to build a CPU model in evaluation mode."""
+    text = (src / "train_gpt.py").read_text()
+    for anchor, replacement, count in PATCHES:
+        found = text.count(anchor)
+        if found != count:
+            raise RuntimeError(f"upstream train_gpt.py: anchor {anchor!r} found {found}x, expected {count}")
+        text = text.replace(anchor, replacement)
+    tree = ast.parse(text)
+    kept = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in NEEDED]
+    missing = set(NEEDED) - {n.name for n in kept}
+    if missing:
+        raise RuntimeError(f"upstream train_gpt.py lacks {sorted(missing)}")
+    sys.path.insert(0, str(src))
+    try:
+        dc_module = _load_file_module("upstream_dc_triton_kernels", src / "dc_triton_kernels.py")
+    finally:
+        sys.path.remove(str(src))
+    ns: dict = dict(
+        torch=torch, nn=nn, F=F, Tensor=Tensor, math=math, os=os, uuid=uuid, dataclass=dataclass,
+        device=torch.device("cpu"), world_size=1, grad_accum_steps=1, grad_scale=1.0,
+        dist=SimpleNamespace(get_world_size=lambda: 1),
+        flash_attn_interface=SimpleNamespace(flash_attn_varlen_func=fa3_varlen_reference),
+        dc_attention_postonly_nodd_correction_add_base_triton=_dc_forward(dc_module),
+        ReLUSqrdMLP=relu2_mlp_reference,
+    )
+    exec(compile(ast.Module(body=kept, type_ignores=[]), str(src / "train_gpt.py"), "exec"), ns)
+    ns["args"] = ns["Hyperparameters"](bigram_vocab_size=bigram_vocab_size, val_batch_size=val_batch_size)
+    return SimpleNamespace(**ns)
