@@ -175,6 +175,24 @@ def test_merged_micro_batches_give_the_same_step(tmp_path):
         assert torch.allclose(g1[k], g0[k], rtol=1e-4, atol=1e-7), k
 
 
+def test_record_backpropagates_each_micro_batch_sum(tmp_path, monkeypatch):
+    """The record recipe's gradient is upstream's: per-token losses summed over each micro-batch,
+    over the accumulation count (``loss.sum() * grad_scale``), i.e. the mean's times the
+    micro-batch's tokens; the returned training loss stays the mean."""
+    from speedrun.train.recipes import RecordRecipe
+
+    cfg = preset("tiny-record")
+    apply_overrides(cfg, ["train.grad_accum=2", f"out_dir={tmp_path / 'runs'}"])
+    g_sum, loss_sum, plan = _one_step_grads(cfg)
+    monkeypatch.setattr(RecordRecipe, "loss_reduction", "mean")
+    g_mean, loss_mean, _ = _one_step_grads(cfg)
+    assert plan.count == 2 and plan.chunk > 1
+    assert loss_sum == pytest.approx(loss_mean, rel=1e-6)
+    assert g_sum.keys() == g_mean.keys() and g_sum
+    for k in g_sum:
+        torch.testing.assert_close(g_sum[k], g_mean[k] * plan.chunk, rtol=1e-4, atol=1e-6 * plan.chunk, msg=k)
+
+
 def test_record_recipe_trains_with_merged_micro_batches(tmp_path):
     cfg = preset("tiny-record")
     apply_overrides(cfg, ["train.steps=12", "train.grad_accum=4", "train.min_micro_batch_tokens=1024",

@@ -41,15 +41,20 @@ L, H, HD, D = 11, 6, 128, 768
 
 
 @pytest.fixture(scope="module")
-def upstream():
+def upstream_src() -> Path:
     d = os.environ.get("SPEEDRUN_UPSTREAM_SRC")
     if not d or not (Path(d) / "train_gpt.py").is_file():
         pytest.skip("SPEEDRUN_UPSTREAM_SRC not set to a folder with upstream's three files")
+    return Path(d)
+
+
+@pytest.fixture(scope="module")
+def upstream(upstream_src):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("upstream's DC kernel runs on the CPU only under TRITON_INTERPRET=1")
     from upstream_model import load_upstream_gpt
 
-    return load_upstream_gpt(Path(d), bigram_vocab_size=1024 * 15 // 2)
+    return load_upstream_gpt(upstream_src, bigram_vocab_size=1024 * 15 // 2)
 
 
 @torch.no_grad()
@@ -172,3 +177,173 @@ def test_a_miswired_gate_is_caught(upstream):
         b2[[*range(6, 12), *range(0, 6)]] = b2[:12].clone()
     got = our_loss(ours, batch, 64, 192)
     assert (got - want.float()).abs().max() > 20 * ATOL
+
+
+# ----------------------------------------------------------------------------------------------
+# The schedule (recipe §6): every step's settings from upstream's TrainingSchedule
+
+
+@pytest.mark.parametrize("scheduled,extension", [(1270, 15), (45, 2), (301, 0)])
+def test_schedule_matches_upstream_at_every_step(upstream_src, scheduled, extension):
+    from speedrun.config import record
+    from speedrun.train.recipes import record_schedule
+    from upstream_model import load_upstream_schedule
+
+    up = load_upstream_schedule(upstream_src, scheduled, extension)
+    cfg = record()
+    cfg.train.steps, cfg.train.num_extension = scheduled + extension, extension
+    ours = record_schedule(cfg)  # what `speedrun train --preset record` runs
+    ts = up.training_schedule
+    assert ours.total_steps == ts.total_steps and ours.boundaries == ts.boundaries
+    assert ours.split_step == ts.split_step
+    # with no extension upstream also warms up two steps past the end, which never train
+    assert ours.warmup_steps() == [s for s in up.warmup_steps if s < ts.total_steps]
+    last = ts.stages[-1]
+    assert ours.final_eval_windows() == (last.window_sizes[0] * 128, ts.ws_post_yarn_ext * 128)
+    for step in range(ts.total_steps):
+        st, _ = ts.lookup(step)
+        got = ours.at(step)
+        want_windows = (st.window_sizes[0] * 128, st.window_sizes[1] * 128)
+        assert (got.window_short, got.window_long) == want_windows, step
+        assert (got.batch_tokens, got.max_seq_len) == (st.batch_size, st.train_max_seq_len), step
+        assert got.mtp_weights == pytest.approx(ts.mtp_weights[step].tolist(), rel=1e-6, abs=1e-7), step
+        assert got.prefix_weight == pytest.approx(ts.prefix_weights[step].item(), rel=1e-6, abs=1e-7), step
+        assert got.lr_mult == pytest.approx(ts.get_lr(step), rel=1e-12), step
+        assert got.muon_momentum == pytest.approx(up.get_muon_momentum(step), rel=1e-12), step
+        assert got.adam_step == (step % 2 == 1)
+        if step:  # upstream applies YaRN when the long window differs from the previous step's
+            assert got.yarn_change == (ts.lookup(step - 1)[0].window_sizes[1] != st.window_sizes[1]), step
+
+
+# ----------------------------------------------------------------------------------------------
+# The optimizer (recipe §4): NorMuon + Adam steps against upstream's NorMuonAndAdam
+
+
+BANKS = ("qk_bank", "vo_bank", "mlp_bank")
+# Polar Express runs in bf16 on both sides, with different rounding (upstream rounds the
+# normalising norm to bf16; we take it in fp32): the per-step updates differ by 2-3% (Frobenius)
+UPDATE_RTOL = 0.05
+
+
+def _master(p: torch.Tensor, mantissa: torch.Tensor | None) -> torch.Tensor:
+    """fp32 master of a bf16 weight and its 16-bit mantissa buffer (either signedness)."""
+    if mantissa is None:
+        return p.detach().float()
+    bits = (p.detach().reshape(mantissa.shape).view(torch.int16).to(torch.int32) << 16) | (mantissa.view(torch.int16).to(torch.int32) & 0xFFFF)
+    return bits.view(torch.float32)
+
+
+def test_optimizer_steps_match_upstream(upstream_src):
+    """Eight steps around the record's untie (844-851: NorMuon every step, Adam on the odd ones,
+    embed/lm_head untied after 847, Adam gradients summed over two steps), each with the schedule's
+    learning rate and momentum, on a record-shaped model of width 96 with random gradients.  Both
+    sides start from the same bf16 weights (and the same dtypes: the record keeps four scalar tables
+    in fp32); NorMuon's fp32 masters (weight + mantissa) and Adam's weights must agree."""
+    from speedrun.optim.normuon import NorMuonAndAdam, OptimizerHyper, record_param_table
+    from speedrun.optim.schedule import RecordSchedule
+    from upstream_model import exec_upstream, load_upstream_optimizer, load_upstream_schedule
+
+    cfg = ModelConfig(vocab_size=VOCAB, num_layers=L, model_dim=96, num_heads=H, qk_head_dim=16, v_head_dim=16,
+                      architecture="record")
+    torch.manual_seed(0)
+    model = RecordGPT(cfg, RecordArchConfig(pad_world_size=1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape) * 0.02)
+    model.cast_to_record_dtypes(torch.bfloat16)
+    model.sync_embed_from_lm_head()
+    ours = model.parameter_groups()
+    sched = RecordSchedule()
+    opt = NorMuonAndAdam(ours, record_param_table(), hyper=OptimizerHyper(), tied=("lm_head", "embed"),
+                         use_triton=False)
+
+    # upstream: the same tensors as its own parameters, labelled and reshaped as its model does
+    up_opt = load_upstream_optimizer(upstream_src)
+    labels = {"mudd_gate_scale": "_mudd_gate_scale"}
+    theirs = {}
+    for label, p in ours.items():
+        q = torch.nn.Parameter(p.detach().clone())
+        q.label = labels.get(label, label)
+        theirs[label] = q
+    for label in ("qk_bank", "vo_bank"):
+        theirs[label].reshape = tuple(theirs[label].shape)
+    mlp = theirs["mlp_bank"]
+    mlp.reshape = (2 * mlp.shape[0], *mlp.shape[2:])
+    sched_up = load_upstream_schedule(upstream_src, 1270, 15)
+    tm_ns = exec_upstream(upstream_src, ("TrainingManager",), dict(
+        training_schedule=sched_up.training_schedule, get_muon_momentum=sched_up.get_muon_momentum))
+    manager = SimpleNamespace(optimizer=None, split_step=sched_up.training_schedule.split_step,
+                              _is_adam_step=lambda step: step % 2 == 1)
+    manager.optimizer = up_opt.NorMuonAndAdam(
+        [(q.label, q) for q in theirs.values()], param_table=_upstream_param_table(tm_ns),
+        scatter_order=list(_upstream_param_table(tm_ns)), work_order=_upstream_work_order(tm_ns),
+        adam_defaults=dict(lr=0.008, eps=1e-10, weight_decay=0.005),
+        normuon_defaults=dict(lr=0.023, momentum=0.95, beta2=0.9, weight_decay=1.2))
+    for label in ours:
+        assert ours[label].dtype == theirs[label].dtype, label
+
+    g = torch.Generator().manual_seed(0)
+    for step in range(844, 852):
+        for label, p in ours.items():
+            grad = (torch.randn(p.shape, generator=g) * 0.01).to(p.dtype)
+            for q in (p, theirs[label]):
+                q.grad = grad.clone() if q.grad is None else q.grad + grad
+        before = {lab: (_master(ours[lab], opt.entries[lab].state.get("mantissa")),
+                        _master(theirs[lab], manager.optimizer.param_states[theirs[lab]]["mantissa"]))
+                  for lab in BANKS}
+        s = sched.at(step)
+        opt.step(step, lr_mult=s.lr_mult, muon_momentum=s.muon_momentum)
+        if s.untie:
+            opt.untie()
+        tm_ns["TrainingManager"].step_optimizers(manager, step)
+        for label, p in ours.items():
+            q = theirs[label]
+            if label in BANKS:
+                mine = _master(p, opt.entries[label].state["mantissa"]) - before[label][0]
+                ref = (_master(q, manager.optimizer.param_states[q]["mantissa"]) - before[label][1]).view(mine.shape)
+                # Polar Express runs in bf16, so the two updates differ by its rounding
+                err = ((mine - ref).norm() / ref.norm()).item()
+                assert err < UPDATE_RTOL, (step, label, err)
+            else:
+                _assert_same_adam_weights(p.detach(), q.detach(), f"step {step} {label}")
+            assert (p.grad is None) == (q.grad is None), (step, label)
+
+
+def _assert_same_adam_weights(mine: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Adam's update is elementwise in fp32 on both sides, in a different order of operations: fp32
+    weights agree to a few ulps; bf16 weights are equal but for the rare element whose fp32 value
+    sits at a rounding boundary, which may land one bf16 step away."""
+    if mine.dtype == torch.float32:
+        torch.testing.assert_close(mine, ref, rtol=1e-6, atol=0, msg=lambda m: f"{what}: {m}")
+        return
+    steps = (mine.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+    assert steps.max() <= 1 and (steps > 0).float().mean() < 1e-3, (what, steps.max().item(), steps.float().mean().item())
+
+
+def _upstream_param_table(tm_ns) -> dict:
+    """Upstream's param_table and work order, read from its TrainingManager.__init__ (they are
+    literals there, built before it makes the optimizer)."""
+    captured = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(named_params, **kwargs):
+        captured.update(kwargs)
+        raise Stop
+
+    init = tm_ns["TrainingManager"].__init__
+    saved = init.__globals__.get("NorMuonAndAdam")
+    init.__globals__["NorMuonAndAdam"] = capture
+    try:
+        init(SimpleNamespace(), SimpleNamespace(named_parameters=lambda: []))
+    except Stop:
+        pass
+    finally:
+        init.__globals__["NorMuonAndAdam"] = saved
+    tm_ns["_captured"] = captured
+    return captured["param_table"]
+
+
+def _upstream_work_order(tm_ns) -> list:
+    return tm_ns["_captured"]["work_order"]

@@ -25,6 +25,7 @@ import os
 import sys
 import uuid
 from dataclasses import dataclass
+from itertools import accumulate, pairwise
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -45,6 +46,9 @@ PATCHES = (
     # CPU copies row by row and would smear position 0 down the whole sequence.
     ("k[:, 1:, :, self.head_dim // 2:] = k[:, :-1, :, self.head_dim // 2:]",
      "k[:, 1:, :, self.head_dim // 2:] = k[:, :-1, :, self.head_dim // 2:].clone()", 1),
+    # NorMuon's mantissa join runs compiled upstream; eager CPU torch has no uint32 shift.  int32
+    # holds the same 32 bits (the shift wraps into the sign, the casts back keep the low 16 bits).
+    ("(p.to(torch.uint32) << 16) | mantissa.to(torch.uint32)", "(p.to(torch.int32) << 16) | mantissa.to(torch.int32)", 1),
 )
 
 
@@ -90,33 +94,103 @@ def _dc_forward(dc_module: ModuleType):
     return dc_correction
 
 
-def load_upstream_gpt(src: Path, *, bigram_vocab_size: int, val_batch_size: int = 8192) -> SimpleNamespace:
-    """The namespace of upstream's model definitions (``GPT``, ``ForwardScheduleConfig``,
-    ``get_bigram_hash``, ``args``, ...), ready to build a CPU model in evaluation mode."""
+def exec_upstream(src: Path, names: tuple[str, ...], env: dict, *, strip_compile: bool = False) -> dict:
+    """Execute the top-level definitions ``names`` of upstream's ``train_gpt.py`` (functions,
+    classes, and single-name assignments such as ``TRAINING_STAGES = [...]``), in file order, in a
+    namespace seeded with ``env``; returns that namespace.  :data:`PATCHES` are applied first.
+    ``strip_compile`` drops ``@torch.compile(...)`` decorators (the CPU runs the same code eagerly).
+    """
     text = (src / "train_gpt.py").read_text()
     for anchor, replacement, count in PATCHES:
         found = text.count(anchor)
         if found != count:
             raise RuntimeError(f"upstream train_gpt.py: anchor {anchor!r} found {found}x, expected {count}")
         text = text.replace(anchor, replacement)
-    tree = ast.parse(text)
-    kept = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in NEEDED]
-    missing = set(NEEDED) - {n.name for n in kept}
+
+    def name_of(node):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            return node.name
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if len(targets) == 1 and isinstance(targets[0], ast.Name):
+                return targets[0].id
+        return None
+
+    kept = [n for n in ast.parse(text).body if name_of(n) in names]
+    missing = set(names) - {name_of(n) for n in kept}
     if missing:
         raise RuntimeError(f"upstream train_gpt.py lacks {sorted(missing)}")
+    if strip_compile:
+        for node in kept:
+            for fn in [node, *getattr(node, "body", [])]:
+                if isinstance(fn, ast.FunctionDef):
+                    fn.decorator_list = [d for d in fn.decorator_list if "torch.compile" not in ast.unparse(d)]
+    ns = dict(torch=torch, nn=nn, F=F, Tensor=Tensor, math=math, os=os, uuid=uuid, dataclass=dataclass,
+              accumulate=accumulate, pairwise=pairwise, device=torch.device("cpu"))
+    ns.update(env)
+    exec(compile(ast.Module(body=kept, type_ignores=[]), str(src / "train_gpt.py"), "exec"), ns)
+    return ns
+
+
+def load_upstream_gpt(src: Path, *, bigram_vocab_size: int, val_batch_size: int = 8192) -> SimpleNamespace:
+    """The namespace of upstream's model definitions (``GPT``, ``ForwardScheduleConfig``,
+    ``get_bigram_hash``, ``args``, ...), ready to build a CPU model in evaluation mode."""
     sys.path.insert(0, str(src))
     try:
         dc_module = _load_file_module("upstream_dc_triton_kernels", src / "dc_triton_kernels.py")
     finally:
         sys.path.remove(str(src))
-    ns: dict = dict(
-        torch=torch, nn=nn, F=F, Tensor=Tensor, math=math, os=os, uuid=uuid, dataclass=dataclass,
-        device=torch.device("cpu"), world_size=1, grad_accum_steps=1, grad_scale=1.0,
+    ns = exec_upstream(src, NEEDED, dict(
+        world_size=1, grad_accum_steps=1, grad_scale=1.0,
         dist=SimpleNamespace(get_world_size=lambda: 1),
         flash_attn_interface=SimpleNamespace(flash_attn_varlen_func=fa3_varlen_reference),
         dc_attention_postonly_nodd_correction_add_base_triton=_dc_forward(dc_module),
         ReLUSqrdMLP=relu2_mlp_reference,
-    )
-    exec(compile(ast.Module(body=kept, type_ignores=[]), str(src / "train_gpt.py"), "exec"), ns)
+    ))
     ns["args"] = ns["Hyperparameters"](bigram_vocab_size=bigram_vocab_size, val_batch_size=val_batch_size)
     return SimpleNamespace(**ns)
+
+
+def load_upstream_schedule(src: Path, scheduled: int, extension: int) -> SimpleNamespace:
+    """Upstream's training schedule for ``scheduled`` + ``extension`` steps: ``training_schedule``
+    (``TrainingSchedule``), ``get_muon_momentum`` and ``warmup_steps`` (the steps its compile
+    warmup samples), computed by upstream's own code."""
+    ns = exec_upstream(src, ("TrainingStage", "TrainingSchedule", "TRAINING_STAGES"), {})
+    ns["training_schedule"] = ns["TrainingSchedule"](ns["TRAINING_STAGES"], scheduled, extension, cooldown_frac=0.60)
+    ns["transition_steps"] = [start for start, _ in ns["training_schedule"].boundaries[1:]]
+    # get_muon_momentum and warmup_steps read the globals set above
+    ns = exec_upstream(src, ("get_muon_momentum", "warmup_steps"), ns)
+    return SimpleNamespace(**ns)
+
+
+def _transpose_add(src: Tensor, dst: Tensor) -> None:
+    dst.add_(src.T)
+
+
+def _transpose_copy(src: Tensor, dst: Tensor) -> None:
+    dst.copy_(src.T)
+
+
+def _xxt(A: Tensor, out: Tensor) -> None:  # A @ A^T, as upstream's Triton kernel (bf16 out)
+    torch.matmul(A, A.mT, out=out)
+
+
+def _xtx(A: Tensor, out: Tensor) -> None:
+    torch.matmul(A.mT, A, out=out)
+
+
+def _ba_plus_caa(A: Tensor, alpha: float, beta: float, out: Tensor) -> None:
+    """``alpha * A @ A.T + beta * A`` for symmetric A (upstream's kernel computes A Aᵀ)."""
+    mm = torch.baddbmm if A.ndim > 2 else torch.addmm
+    mm(A, A, A.mT, beta=beta, alpha=alpha, out=out)
+
+
+def load_upstream_optimizer(src: Path) -> SimpleNamespace:
+    """Upstream's ``NorMuonAndAdam`` (with ``polar_express``) on one process, run eagerly: its
+    ``torch.compile`` decorators are dropped and its Triton kernels (X Xᵀ, Xᵀ X, bA + cA², the tiled
+    transposes) are replaced by the torch calls they compute."""
+    return SimpleNamespace(**exec_upstream(
+        src, ("polar_express_coeffs", "polar_express", "_sparse_comms_active", "ParamConfig", "NorMuonAndAdam"),
+        dict(dist=torch.distributed, world_size=1, grad_accum_steps=1, XXT=_xxt, XTX=_xtx,
+             ba_plus_cAA=_ba_plus_caa, transpose_add=_transpose_add, transpose_copy=_transpose_copy),
+        strip_compile=True))

@@ -21,7 +21,8 @@ Forward (one packed sequence of documents, ``T`` tokens, ``cu_seqlens`` document
 5. Post-loop MUDD block 1 mixes ``x_in, cache[saved], x at last-layer entry, ve_0, cache[skip_from]``
    into x (its cache[saved] bias starts at -0.5: the "backout"); ``h = norm(x)``.
 6. Logits ``A sigmoid((h lm_head + B) / C)`` over the padded vocabulary; training loss = mean over
-   tokens of multi-token + prefix-token CE, eval = plain next-token CE in fp32.
+   tokens of multi-token + prefix-token CE (the record recipe backpropagates it times the
+   micro-batch's tokens: upstream's sum), eval = plain next-token CE in fp32.
 
 Attention (per layer): one GEMM with ``[Q | K | V]`` rows (``sa_lambda0`` times the weights), QK-norm,
 half-truncated RoPE with YaRN (:mod:`speedrun.model.yarn`), key offset (stationary q/k dims of each

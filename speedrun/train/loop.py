@@ -177,14 +177,19 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
     opaque.clear_pending()  # state of fused-kernel forwards whose backward never ran (a dropped loss)
     recipe.before_step(step)
     args = recipe.forward_args(step)
-    accum = micro_batching(recipe.stages[recipe.stage_index(step)], cfg, info.world_size).count
+    mb = micro_batching(recipe.stages[recipe.stage_index(step)], cfg, info.world_size)
+    accum = mb.count
+    # What each micro-batch's mean loss is multiplied by for backward.  "sum" (the record): the
+    # gradient of the per-token losses summed over each unmerged micro-batch, times 1 / its
+    # accumulation count (upstream's loss.sum() * grad_scale); merged micro-batches give the same.
+    grad_mult = (mb.chunk if recipe.loss_reduction == "sum" else 1) / accum
     total = torch.zeros((), device=info.device)
     mark("setup")
     for _ in range(accum):
         batch = loader.next_batch()
         mark("data")
         with _autocast(info.device, dtype):
-            loss = model.loss(batch, args) / accum
+            loss = model.loss(batch, args) * grad_mult
         mark("forward")
         loss.backward()
         mark("backward")
@@ -203,7 +208,7 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
     if end_fp8_step is not None:  # next step's FP8 activation scales, the same on every rank
         end_fp8_step()
     mark("fp8_step_end")
-    return total
+    return total if grad_mult * accum == 1 else total / (grad_mult * accum)
 
 
 @torch.no_grad()

@@ -13,7 +13,9 @@ Interface used by the loop: ``stages``, ``stage_index(step)``, ``forward_args(st
 ``eval_args(step, final)``, ``before_step(step)``, ``after_backward(batch)``,
 ``optimizer_step(step)``, ``on_clock_start()``, ``sync_to(step)`` (after a reset or resume),
 ``embedding_grads_due(step)`` (whether the optimizer step reads the embedding tables' in-place
-accumulated gradients, so the loop flushes them first), ``grads_reduced_by_optimizer``.
+accumulated gradients, so the loop flushes them first), ``grads_reduced_by_optimizer``,
+``loss_reduction`` ("mean": backward of each micro-batch's mean loss; "sum": of its sum over the
+tokens of an unmerged micro-batch, as the record does, see :func:`speedrun.train.loop.run_step`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def stages_of(cfg: RunConfig) -> list[Stage]:
 
 class CoreRecipe:
     grads_reduced_by_optimizer = False
+    loss_reduction = "mean"
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, info, tokenizer=None):
         from speedrun.optim.core import CoreOptimizer
@@ -130,6 +133,10 @@ class RecordRecipe:
     """See the module docstring.  ``cfg.train.steps`` = scheduled + ``cfg.train.num_extension``."""
 
     grads_reduced_by_optimizer = True
+    # Upstream backpropagates ``loss.sum() * grad_scale``: gradients grow with the micro-batch's
+    # tokens, which sets how a stage's first gradients weigh against the NorMuon and Adam moments
+    # of the last, and how large Adam's eps and Polar Express's 1e-6 are against them.
+    loss_reduction = "sum"
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, info, tokenizer=None):
         from speedrun.optim.normuon import NorMuonAndAdam, OptimizerHyper, record_param_table
