@@ -347,3 +347,73 @@ def _upstream_param_table(tm_ns) -> dict:
 
 def _upstream_work_order(tm_ns) -> list:
     return tm_ns["_captured"]["work_order"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The data (recipe §5): BOS-aligned training batches and contiguous validation batches
+
+
+def _synthetic_shards(tmp_path, n_shards=2, docs=400, seed=0):
+    """Shards of documents that start with BOS (50256), lengths 1..1500 (some above the caps)."""
+    from speedrun.data.shards import write_shard
+
+    g = torch.Generator().manual_seed(seed)
+    paths = []
+    for i in range(n_shards):
+        lens = torch.randint(1, 400, (docs,), generator=g)
+        lens[torch.randperm(docs, generator=g)[: docs // 10]] += 1100
+        toks = torch.randint(0, 50000, (int(lens.sum()),), generator=g)
+        toks[torch.cumsum(lens, 0) - lens] = 50256
+        paths.append(write_shard(tmp_path / f"syn_train_{i:06d}.bin", toks.tolist()))
+    return paths
+
+
+def _edges(cu: torch.Tensor) -> list[int]:
+    """The distinct document edges of a padded cu_seqlens (both sides pad differently)."""
+    return torch.unique_consecutive(cu.long()).tolist()
+
+
+def test_training_batches_match_upstream(upstream_src, tmp_path):
+    """The first shard's batches at stage-1 and then stage-2 shapes (the generator is re-sent new
+    sizes, as at a stage change), one rank: the same tokens, targets, document edges and bigram
+    ids.  Upstream drops the tail of a shard once no BOS is ahead; the comparison stays in shard 0."""
+    from speedrun.data.loader import TrainLoader
+    from upstream_model import load_upstream_loader
+
+    files = _synthetic_shards(tmp_path)
+    mod = 1024 * 15 // 2 - 1
+    up = load_upstream_loader(upstream_src, bigram_vocab_size=mod + 1)
+    gen = up.distributed_data_generator(str(tmp_path / "syn_train_*.bin"), 2048, 512, grad_accum_steps=1)
+    shapes = [(2048, 512)] * 6 + [(4096, 1024)] * 6
+    with TrainLoader(files, 2048, 512, bos_id=50256, prefetch=False, bigram_mod=mod) as ours:
+        prev = shapes[0]
+        for i, (T, L) in enumerate(shapes):
+            if (T, L) != prev:
+                ours.set_shape(T, L)
+                inputs, targets, cu, bigram, _ = gen.send((T, L, 1))
+            else:
+                inputs, targets, cu, bigram, _ = next(gen)
+            prev = (T, L)
+            b = ours.next_batch()
+            assert torch.equal(b.inputs, inputs), i
+            assert torch.equal(b.targets.long(), targets), i
+            assert _edges(b.cu_seqlens) == _edges(cu), i
+            assert torch.equal(b.bigram, bigram), i
+
+
+def test_validation_batches_match_upstream(upstream_src, tmp_path):
+    from speedrun.data.loader import ValLoader
+    from upstream_model import load_upstream_loader
+
+    files = _synthetic_shards(tmp_path, n_shards=1, seed=1)
+    mod = 1024 * 15 // 2 - 1
+    up = load_upstream_loader(upstream_src, bigram_vocab_size=mod + 1)
+    gen = up.distributed_data_generator(str(files[0]), 4096, -1, grad_accum_steps=1, align_to_bos=False)
+    ours = ValLoader(files, 5 * 4096, 4096, bos_id=50256, bigram_mod=mod)
+    assert len(ours) == 5
+    for i, b in enumerate(ours):
+        inputs, targets, cu, bigram, _ = next(gen)
+        assert torch.equal(b.inputs, inputs), i
+        assert torch.equal(b.targets.long(), targets), i
+        assert _edges(b.cu_seqlens) == _edges(cu), i
+        assert torch.equal(b.bigram, bigram), i

@@ -46,6 +46,9 @@ PATCHES = (
     # CPU copies row by row and would smear position 0 down the whole sequence.
     ("k[:, 1:, :, self.head_dim // 2:] = k[:, :-1, :, self.head_dim // 2:]",
      "k[:, 1:, :, self.head_dim // 2:] = k[:, :-1, :, self.head_dim // 2:].clone()", 1),
+    # The data generator's CUDA transfers and pinned buffers: the CPU keeps the tensors where they are.
+    ('device="cuda", non_blocking=True', 'device="cpu"', 4),
+    ("torch.empty(num_tokens, dtype=torch.uint16, pin_memory=True)", "torch.empty(num_tokens, dtype=torch.uint16)", 1),
     # NorMuon's mantissa join runs compiled upstream; eager CPU torch has no uint32 shift.  int32
     # holds the same 32 bits (the shift wraps into the sign, the casts back keep the low 16 bits).
     ("(p.to(torch.uint32) << 16) | mantissa.to(torch.uint32)", "(p.to(torch.int32) << 16) | mantissa.to(torch.int32)", 1),
@@ -194,3 +197,17 @@ def load_upstream_optimizer(src: Path) -> SimpleNamespace:
         dict(dist=torch.distributed, world_size=1, grad_accum_steps=1, XXT=_xxt, XTX=_xtx,
              ba_plus_cAA=_ba_plus_caa, transpose_add=_transpose_add, transpose_copy=_transpose_copy),
         strip_compile=True))
+
+
+def load_upstream_loader(src: Path, *, bigram_vocab_size: int) -> SimpleNamespace:
+    """Upstream's data generator (``distributed_data_generator`` with its ``Shard`` and shard
+    reader) on one process: batches stay on the CPU."""
+    import glob
+    import threading
+
+    ns = exec_upstream(src, ("_load_data_shard", "BOS_ID", "TRAIN_MAX_NUM_DOCS", "Shard", "get_bigram_hash",
+                             "next_multiple_of_n", "Hyperparameters", "distributed_data_generator"),
+                       dict(glob=glob, threading=threading, Path=Path,
+                            dist=SimpleNamespace(is_initialized=lambda: False)))
+    ns["args"] = ns["Hyperparameters"](bigram_vocab_size=bigram_vocab_size)
+    return SimpleNamespace(**ns)
