@@ -258,6 +258,30 @@ def test_cache_bootstrap_then_delayed_scaling():
     assert not cache.saturated("w").any()
 
 
+def test_cache_current_names_rescale_at_every_refresh():
+    """Upstream's MLP: the up projection (here "fc") is current-scaled at every update, the down
+    projection ("proj") delayed once its bootstrap is over."""
+    bank = _weights()
+    cache = FP8WeightCache(bootstrap_refreshes=1, headroom=1.12, current_names=("fc",))
+    fc, proj = bank[:, 0], bank[:, 1]
+    cache.refresh({"fc": fc, "proj": proj})
+    with torch.no_grad():
+        bank.mul_(1.5)
+    cache.refresh({"fc": fc, "proj": proj})
+    amax = lambda w: w.detach().float().abs().amax(dim=(1, 2))  # noqa: E731
+    assert torch.allclose(cache.get("fc").scale, amax(fc) / 448)
+    assert not cache.saturated("fc").any()
+    assert torch.allclose(cache.get("proj").scale, amax(proj) / 1.5 * 1.12 / 448)
+    assert cache.saturated("proj").all()
+
+
+def test_record_mlp_cache_scales_like_upstream():
+    from speedrun.model.record import RecordGPT
+
+    cache = RecordGPT._new_mlp_weight_cache()
+    assert cache.current_names == {"fc"} and cache.bootstrap_refreshes == 16 and cache.headroom == 1.12
+
+
 def test_cache_multiplier_folded_into_scale():
     bank = _weights()
     lam = torch.tensor([0.5, -2.0])

@@ -197,6 +197,44 @@ def test_fp8_candidate_resume_equals_uninterrupted(tmp_path, kernels_use_referen
         assert torch.equal(a["model"][k], b["model"][k]), k
 
 
+@pytest.mark.parametrize("switches", [("model.kernels=fp8",),
+                                      ("model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_head_dim=16",
+                                       "model.fp8_input_scaling=delayed")], ids=["record", "candidate"])
+def test_fp8_warmup_is_undone(tmp_path, kernels_use_references, switches):
+    """The untimed warmup's FP8 scales go with its weights: the MLP weight cache (past its 16
+    bootstrap updates after this warmup's 18 refreshes), the packed QKV weights' delayed scales and
+    the activation scales are reset, so a run with a warmup takes the very steps of one without
+    (upstream's scales are buffers restored with its weights).  Without the reset the warmed run
+    starts from the warmup's scales and drifts."""
+    extra = (*switches, "train.batch_divisor=1024", "train.steps=12", "train.num_extension=3")
+    weights = []
+    for warmup in (0, 3):
+        result = train(tiny_record(tmp_path / str(warmup), *extra, f"train.warmup_steps={warmup}"), console=False)
+        weights.append(torch.load(list_checkpoints(result.run_dir)[-1], weights_only=False)["model"])
+    for k in weights[0]:
+        assert torch.equal(weights[0][k], weights[1][k]), k
+
+
+def test_warmup_runs_only_the_steps_a_short_stage_has(tmp_path, monkeypatch):
+    """4 scheduled steps (stages of 1, 2 and 1 steps) + a 1-step extension, 2 warmup steps per
+    stage: the warmup runs the steps each stage has instead of stepping past the end of the
+    schedule (which raised)."""
+    from speedrun.train import loop
+
+    steps = []
+    real = loop.run_step
+
+    def spy(model, recipe, loader, step, *args, **kwargs):
+        steps.append(step)
+        return real(model, recipe, loader, step, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "run_step", spy)
+    result = train(tiny_record(tmp_path, "train.steps=5", "train.num_extension=1", "train.warmup_steps=2"),
+                   console=False)
+    assert result.final_val_loss == result.final_val_loss
+    assert steps == [0, 1, 2, 3, 4] + [0, 1, 2, 3, 4]  # the warmup, then the timed run
+
+
 @pytest.mark.parametrize("extra", [[], ["model.embedding_grad=atomic_graph"]], ids=["preset", "lookups_in_graph"])
 def test_compiled_run_never_recompiles_after_the_warmup(tmp_path, monkeypatch, extra):
     """The warmup compiles every training stage and every validation the run will make (mid-run

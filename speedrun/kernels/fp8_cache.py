@@ -25,6 +25,8 @@ Weight scaling policy (documented here, used by the cache):
   One optimizer update moves weights by a small fraction, so ``headroom`` (default 1.12, as in the
   record's W2 cache) covers the growth; anything larger saturates at +-448 (never inf/NaN).
   :meth:`FP8WeightCache.saturated` reports, on device, whether the last refresh clipped.
+* Names in ``current_names`` use current scaling at every refresh (upstream f411b3d scales its
+  MLP up projection this way; only its down projection is delayed).
 * A ``multiplier`` (tensor or float) per name is folded into the returned dequantisation scale:
   the cache then represents ``multiplier * w`` while the FP8 payload stays ``quantise(w)``.  This is
   how a per-layer scalar such as the attention ``sa_lambda`` rides along for free.  No gradient flows
@@ -793,6 +795,7 @@ class FP8WeightCache:
         bootstrap_refreshes: int = 16,
         fp8_dtype: torch.dtype = E4M3,
         check_versions: bool = True,
+        current_names: Sequence[str] = (),
     ) -> None:
         if headroom < 1.0:
             raise ValueError(f"headroom must be >= 1, got {headroom}")
@@ -802,6 +805,7 @@ class FP8WeightCache:
         self.bootstrap_refreshes = int(bootstrap_refreshes)
         self.fp8_dtype = fp8_dtype
         self.check_versions = check_versions
+        self.current_names = frozenset(current_names)
         self.version = 0  # number of refreshes so far
         self._valid = False
         self._entries: dict[str, FP8Weight] = {}
@@ -846,7 +850,7 @@ class FP8WeightCache:
             fmax = FP8_MAX[self.fp8_dtype]
             if name in self._replay:
                 scale = self._replay.pop(name).to(w.device)
-            elif n < self.bootstrap_refreshes or name not in self._amax:
+            elif n < self.bootstrap_refreshes or name not in self._amax or name in self.current_names:
                 amax_now = w.detach().abs().amax(dim=(-2, -1)).float()
                 scale = current_scale(amax_now, fmax)
             else:

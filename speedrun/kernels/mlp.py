@@ -29,8 +29,9 @@ x          e4m3    current (default): s = max|x| / 448 (one amax pass over (T, 7
                    this call's amax measured by the quantise kernel, no extra pass; or (fp8_fwd)
                    quantised by the caller and passed in (``x_fp8``), current scaling in torch ops
                    that torch.compile fuses into the norm producing x
-w1, w2     e4m3    from :class:`~speedrun.kernels.fp8_cache.FP8WeightCache` (delayed, per update),
-                   or current scaling when no cache is passed (slow path for tests/eval)
+w1, w2     e4m3    from :class:`~speedrun.kernels.fp8_cache.FP8WeightCache`, per update (the record
+                   network: w1 current, w2 delayed after 16 bootstrap updates, as upstream), or
+                   current scaling when no cache is passed (slow path for tests/eval)
 post       e4m3    delayed: s = amax(previous step) · 1.8 / 448 (record's headroom); the up
                    kernel measures this call's amax on the fly; values above 448·s saturate
 g          e5m2    as x (current or delayed), s = max|g| / 57344; the quantise kernel writes both layouts

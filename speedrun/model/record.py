@@ -533,8 +533,8 @@ class RecordGPT(nn.Module):
         """Re-quantise every FP8 weight the forward and backward use, once per optimizer update
         (call right after ``optimizer.step`` and after any load of weights).
 
-        MLP: one dual-layout kernel over each half of ``mlp_bank`` (c_fc, c_proj), delayed scaling
-        after a bootstrap (:class:`~speedrun.kernels.fp8_cache.FP8WeightCache`).  Attention
+        MLP: one dual-layout kernel over each half of ``mlp_bank`` (c_fc current-scaled, c_proj
+        delayed after a bootstrap: :meth:`_new_mlp_weight_cache`).  Attention
         (``qkv_path=fused_fp8``): one packed [q|k|v] FP8 weight per layer, read straight from the
         Q/K and V/O banks with ``sa_lambda`` folded into its scale, delayed-scaled from the previous
         update's amax once the first update has measured one.  FP8 head: ``lm_head`` in both e4m3
@@ -542,10 +542,8 @@ class RecordGPT(nn.Module):
         A forward that finds the weights changed since the last refresh raises instead of using
         stale FP8 copies."""
         if self.cfg.kernels in ("fp8", "fp8_full"):
-            from speedrun.kernels.fp8_cache import FP8WeightCache
-
             if self._mlp_fp8 is None:
-                self._mlp_fp8 = FP8WeightCache()
+                self._mlp_fp8 = self._new_mlp_weight_cache()
             L = self.num_layers
             self._mlp_fp8.refresh({"fc": self.mlp_bank[:L, 0], "proj": self.mlp_bank[:L, 1]})
         if getattr(self.ce_impl, "use_fp8", False):
@@ -572,6 +570,29 @@ class RecordGPT(nn.Module):
     def _fp8_scale_states(self) -> list:
         states = self.mlp_impl.scale_states() if hasattr(self.mlp_impl, "scale_states") else []
         return states + [self._qkv_inputs[j] for j in sorted(self._qkv_inputs)]
+
+    @staticmethod
+    def _new_mlp_weight_cache():
+        """The MLP bank's FP8 cache: c_fc current-scaled at every update, c_proj delayed after
+        16 bootstrap updates, as upstream f411b3d's ``quantize_mlp_fp8``."""
+        from speedrun.kernels.fp8_cache import FP8WeightCache
+
+        return FP8WeightCache(current_names=("fc",))
+
+    def reset_fp8_state(self) -> None:
+        """Forget every FP8 scale: the weight caches (so c_proj bootstraps again), the packed QKV
+        weights' delayed scales and the activation scales of the MLP and QKV inputs.  The next
+        refresh and forward scale as a fresh model's do.  The training loop calls this when it
+        restores the weights after the untimed warmup, so the timed run takes the steps of a run
+        without warmup (upstream's scales are buffers, restored with its weights)."""
+        self._mlp_fp8 = None
+        self._head_fp8 = None
+        self._qkv_fp8 = {}
+        self._qkv_inputs = {}
+        self._qkv_replay = {}
+        self._qkv_fp8_versions = None
+        if hasattr(self.mlp_impl, "scales"):
+            self.mlp_impl.scales = {}
 
     def end_fp8_step(self) -> None:
         """Close an optimizer step of the step-synchronous FP8 activation scales (MLP post/dpre,
@@ -612,10 +633,8 @@ class RecordGPT(nn.Module):
         if "mlp_weights" in state:
             if self.cfg.kernels not in ("fp8", "fp8_full"):
                 raise ValueError(f"checkpoint has FP8 MLP weight scales but model.kernels={self.cfg.kernels!r}")
-            from speedrun.kernels.fp8_cache import FP8WeightCache
-
             if self._mlp_fp8 is None:
-                self._mlp_fp8 = FP8WeightCache()
+                self._mlp_fp8 = self._new_mlp_weight_cache()
             self._mlp_fp8.load_state_dict(state["mlp_weights"])
         if "qkv" in state:
             if self.cfg.qkv_path != "fused_fp8":

@@ -482,13 +482,18 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         for si, stage in enumerate(stages):
             loader = make_loader(si)
             recipe.sync_to(stage.start_step)
-            for i in range(cfg.train.warmup_steps):
-                run_step(run_model, recipe, loader, stage.start_step + i, cfg, info, dtype)
+            # a stage shorter than the warmup (e.g. a 1-step extension) warms only the steps it has
+            end = stages[si + 1].start_step if si + 1 < len(stages) else cfg.train.steps
+            for step in range(stage.start_step, min(stage.start_step + cfg.train.warmup_steps, end)):
+                run_step(run_model, recipe, loader, step, cfg, info, dtype)
             loader.close()
             # Every validation the run will make, with this stage's model state (YaRN), on one batch.
             for args in eval_variants.get(si, []):
                 evaluate(run_model, val_files, cfg, info, dtype, val_batch, args, max_batches=1)
         model.load_state_dict(model_state)
+        reset_fp8 = getattr(model, "reset_fp8_state", None)
+        if reset_fp8 is not None:  # the warmup's FP8 scales belong to weights that are gone
+            reset_fp8()
         optimizer.load_state_dict(opt_state)
         optimizer.zero_grad()
         discard = getattr(model, "discard_embedding_grads", None)
