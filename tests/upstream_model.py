@@ -10,8 +10,8 @@ evaluation forward then runs on the CPU with three stand-ins:
   from ``cu_seqlens``, ``window_size=(left, 0)`` lets query ``i`` see keys ``i - left .. i``);
 - the ReLU² MLP's Hopper kernel: ``relu(x @ W1.T)^2 @ W2`` with the square taken in fp32, as the
   kernel's epilogue does;
-- the DC correction: upstream's own Triton forward kernel (it needs ``TRITON_INTERPRET=1``), called
-  below the wrapper that refuses CPU tensors.
+- the DC correction: upstream's own autograd Function and Triton kernels (they need
+  ``TRITON_INTERPRET=1``), called below the wrapper that refuses CPU tensors.
 
 Nothing here is project code: it exists so that tests can run upstream's wiring next to ours.
 """
@@ -88,12 +88,15 @@ def _load_file_module(name: str, path: Path) -> ModuleType:
     return module
 
 
-def _dc_forward(dc_module: ModuleType):
+def _dc_correction(dc_module: ModuleType):
+    """Upstream's ``dc_attention_postonly_nodd_correction_add_base_triton`` below its CUDA-only
+    shape check: its own autograd Function, forward and backward Triton kernels."""
     def dc_correction(base_out, q, k, v, dc_weights, softmax_lse, *, scaling, window, seq_lens):
         assert softmax_lse is None
         w1, w2 = dc_weights
-        return dc_module._dc_attention_postonly_correction_add_base_forward_impl(
-            q, k, v, w1, w2, seq_lens.to(torch.int32), scaling, window, 16, base_out=base_out)
+        no_lse = torch.empty(0, device=q.device, dtype=torch.float32)
+        return dc_module._DCPostOnlyCorrectionAddBaseTriton.apply(
+            base_out, q, k, v, w1, w2, seq_lens.to(torch.int32), no_lse, float(scaling), int(window), 16, 32)
     return dc_correction
 
 
@@ -147,7 +150,7 @@ def load_upstream_gpt(src: Path, *, bigram_vocab_size: int, val_batch_size: int 
         world_size=1, grad_accum_steps=1, grad_scale=1.0,
         dist=SimpleNamespace(get_world_size=lambda: 1),
         flash_attn_interface=SimpleNamespace(flash_attn_varlen_func=fa3_varlen_reference),
-        dc_attention_postonly_nodd_correction_add_base_triton=_dc_forward(dc_module),
+        dc_attention_postonly_nodd_correction_add_base_triton=_dc_correction(dc_module),
         ReLUSqrdMLP=relu2_mlp_reference,
     ))
     ns["args"] = ns["Hyperparameters"](bigram_vocab_size=bigram_vocab_size, val_batch_size=val_batch_size)
