@@ -449,3 +449,27 @@ def test_validation_batches_match_upstream(upstream_src, tmp_path):
         assert torch.equal(b.targets.long(), targets), i
         assert _edges(b.cu_seqlens) == _edges(cu), i
         assert torch.equal(b.bigram, bigram), i
+
+
+# ----------------------------------------------------------------------------------------------
+# The prefix-token table (recipe §3.5)
+
+
+def test_prefix_table_matches_upstream(upstream_src, gpt2_dir, monkeypatch):
+    """Our table from the GPT-2 BPE files against upstream's ``build_prefix_table`` over
+    tiktoken's GPT-2 ranks (read offline from a tiktoken cache beside the upstream source or the
+    tokenizer folder)."""
+    tiktoken = pytest.importorskip("tiktoken")
+    from speedrun.data.tokenizer import get_tokenizer
+    from speedrun.model.prefix_table import build_prefix_table
+    from upstream_model import exec_upstream
+
+    caches = [d for d in (upstream_src / "tiktoken_cache", Path(gpt2_dir).parent / "tiktoken_cache") if d.is_dir()]
+    if not caches:
+        pytest.skip("no tiktoken cache beside SPEEDRUN_UPSTREAM_SRC or SPEEDRUN_TOKENIZER_DIR")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(caches[0]))
+    ns = exec_upstream(upstream_src, ("build_prefix_table",), dict(tiktoken=tiktoken))
+    want = ns["build_prefix_table"](50304)
+    got = build_prefix_table(get_tokenizer("gpt2", gpt2_dir), 50304)
+    assert (want >= 0).sum() > 40000  # most tokens have a prefix token
+    assert torch.equal(got, want)
