@@ -473,3 +473,35 @@ def test_prefix_table_matches_upstream(upstream_src, gpt2_dir, monkeypatch):
     got = build_prefix_table(get_tokenizer("gpt2", gpt2_dir), 50304)
     assert (want >= 0).sum() > 40000  # most tokens have a prefix token
     assert torch.equal(got, want)
+
+
+# ----------------------------------------------------------------------------------------------
+# Initialisation (recipe §1.4)
+
+
+def test_init_matches_upstream(upstream):
+    """Every parameter starts as upstream's: equal where upstream's init is deterministic (zeros,
+    ones, the lambdas, the MUDD and gate biases), and from the same distribution where it is
+    random (same support and spread; the draws differ)."""
+    torch.manual_seed(0)
+    model_up = upstream.GPT(vocab_size=VOCAB, num_layers=L, num_heads=H, head_dim=HD, model_dim=D, max_seq_len=1024)
+    cfg = ModelConfig(vocab_size=VOCAB, num_layers=L, model_dim=D, num_heads=H, qk_head_dim=HD, v_head_dim=HD,
+                      architecture="record")
+    ours = RecordGPT(cfg, RecordArchConfig(pad_world_size=1))
+    up = {n: p.detach().float() for n, p in model_up.named_parameters()}
+    names = {"lm_head": "lm_head.weight", "embed": "embed.weight", "smear_gate": "smear_gate.weight",
+             "bigram_embed": "bigram_embed.weight", "mudd_gate_scale": "_mudd_gate_scale"}
+    random = {"qk_bank", "vo_bank", "mlp_bank", "lm_head", "embed", "value_embeds", "mudd_w1", "mudd_gate_w1"}
+    for name, p in ours.named_parameters():
+        mine, want = p.detach().float(), up[names.get(name, name)]
+        if name == "mlp_bank":
+            want = want[:L]
+        assert mine.shape == want.shape, name
+        if name not in random:
+            torch.testing.assert_close(mine, want, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+            continue
+        for part_m, part_w in ((mine[:, 0], want[:, 0]), (mine[:, 1], want[:, 1])) if name == "mlp_bank" else ((mine, want),):
+            if name not in ("lm_head", "embed", "value_embeds"):  # uniform draws: the same bound
+                assert part_m.abs().max() == pytest.approx(part_w.abs().max().item(), rel=0.01, abs=1e-12), name
+            assert part_m.std() == pytest.approx(part_w.std().item(), rel=0.03, abs=1e-12), name
+    assert torch.equal(ours.embed, ours.lm_head.T)  # tied at init, as upstream copies lm_head^T
