@@ -1,14 +1,14 @@
-"""Our record network against upstream f411b3d's own model code, same weights, on the CPU.
+"""The record arm against upstream f411b3d's own code, on the CPU (``SPEEDRUN_UPSTREAM_SRC``, see
+``tests/upstream_model.py``; skipped without it).
 
-Upstream's ``GPT`` comes from its ``train_gpt.py`` (``SPEEDRUN_UPSTREAM_SRC``, see
-``tests/upstream_model.py``) and runs its evaluation forward at the record's shapes (11 layers,
-width 768, 6 heads of 128) with a small vocabulary.  Every parameter is moved off its init first
-(most of the record's gates, MUDD weights and the MLP's down projection start at zero, so a wiring
-mistake there would not show at init), then copied into our ``RecordGPT``.  Both run in fp32, where
-the two per-token losses agree to rounding; a wrong gate lane, window, skip, cache or rotary
-table moves them by orders of magnitude more (``test_a_miswired_gate_is_caught``).
+Network: upstream's ``GPT`` runs its evaluation forward at the record's shapes (11 layers, width
+768, 6 heads of 128) with a small vocabulary.  Every parameter is moved off its init first (most
+of the record's gates, MUDD weights and the MLP's down projection start at zero, so a wiring
+mistake there would not show at init), then copied into our ``RecordGPT``.  Both run in fp32,
+where the per-token losses and every gradient agree to rounding; a wrong gate lane, window, skip,
+cache or rotary table moves them by orders of magnitude more (``test_a_miswired_gate_is_caught``).
+Three differences are not wiring and are bridged where they happen:
 
-Three differences are not wiring and are bridged here, each where it happens:
 - upstream rotates RoPE pairs the other way (the same model up to a sign flip of one dim per pair:
   ``ours_from`` flips those Q/K bank rows);
 - upstream builds its rotary tables in bf16 and rounds the residual/post lambdas to bf16 inside
@@ -16,9 +16,9 @@ Three differences are not wiring and are bridged here, each where it happens:
   lambdas made bf16-exact);
 - the key offset's overlapping copy needs upstream's compiled semantics (``upstream_model.PATCHES``).
 
-Upstream's bigram hash pairs position 1 with the modulus rather than with token 0 (it overwrites
-``out[0]`` before reading it); our loader does the same (``test_bigram_hash_matches_upstream``).
-The training loss (FP8 head, CUDA cross-entropy kernel) cannot run upstream's code on a CPU.
+Then the initialisation, the schedule at every step, eight optimizer steps across the untie,
+the data generator's batches, the bigram hash and the prefix-token table.  The training loss (FP8
+head, a CUDA C cross-entropy kernel) and the FP8 MLP kernel cannot run upstream's code on a CPU.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB = 1000  # padded to 1024 by both
 L, H, HD, D = 11, 6, 128, 768
+# our parameter name -> upstream's, where they differ
+UPSTREAM_NAMES = {"lm_head": "lm_head.weight", "embed": "embed.weight", "smear_gate": "smear_gate.weight",
+                  "bigram_embed": "bigram_embed.weight", "mudd_gate_scale": "_mudd_gate_scale"}
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +85,8 @@ def ours_from(model_up) -> RecordGPT:
                       architecture="record")
     ours = RecordGPT(cfg, RecordArchConfig(pad_world_size=1))
     up = dict(model_up.named_parameters())
-    names = {"lm_head": "lm_head.weight", "embed": "embed.weight", "smear_gate": "smear_gate.weight",
-             "bigram_embed": "bigram_embed.weight", "mudd_gate_scale": "_mudd_gate_scale"}
     for name, p in ours.named_parameters():
-        src = up.pop(names.get(name, name))
+        src = up.pop(UPSTREAM_NAMES.get(name, name))
         if name == "mlp_bank":  # upstream pads to 12 layers for 8 ranks; the padding layer is never read
             src = src[:L]
         assert src.shape == p.shape, (name, tuple(src.shape), tuple(p.shape))
@@ -105,7 +106,6 @@ def batch_of(up, doc_lens, seed=0):
     g = torch.Generator().manual_seed(seed)
     T = sum(doc_lens)
     tokens = torch.randint(0, VOCAB, (T + 1,), generator=g)
-    tokens[0] = 999  # a document start token somewhere in the stream, as BOS would be
     cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()], dtype=torch.int32)
     inputs, targets = tokens[:-1].to(torch.int32), tokens[1:].long()
     ours = SimpleNamespace(inputs=inputs, targets=targets, cu_seqlens=cu, max_seqlen=max(doc_lens),
@@ -178,12 +178,10 @@ def test_gradients_match_upstream(upstream):
     model_up(*batch_up, cfg).mean().backward()
     ours.per_token_loss(batch, ForwardArgs(window_short=64, window_long=192)).mean().backward()
     up = dict(model_up.named_parameters())
-    names = {"lm_head": "lm_head.weight", "embed": "embed.weight", "smear_gate": "smear_gate.weight",
-             "bigram_embed": "bigram_embed.weight", "mudd_gate_scale": "_mudd_gate_scale"}
     odd_rotating = torch.zeros(HD, dtype=torch.bool)
     odd_rotating[1 : ours.yarn.rope_dims : 2] = True
     for name, p in ours.named_parameters():
-        want = up[names.get(name, name)].grad
+        want = up[UPSTREAM_NAMES.get(name, name)].grad
         if name == "mlp_bank":
             assert want[L:].abs().max() == 0
             want = want[:L]
@@ -269,8 +267,9 @@ def test_optimizer_steps_match_upstream(upstream_src):
     """Eight steps around the record's untie (844-851: NorMuon every step, Adam on the odd ones,
     embed/lm_head untied after 847, Adam gradients summed over two steps), each with the schedule's
     learning rate and momentum, on a record-shaped model of width 96 with random gradients.  Both
-    sides start from the same bf16 weights (and the same dtypes: the record keeps four scalar tables
-    in fp32); NorMuon's fp32 masters (weight + mantissa) and Adam's weights must agree."""
+    sides start from the same weights in the record's dtypes (bf16, four scalar tables fp32) and get
+    their hyperparameters from their own tables; NorMuon's fp32 masters (weight + mantissa) and
+    Adam's weights must agree."""
     from speedrun.optim.normuon import NorMuonAndAdam, OptimizerHyper, record_param_table
     from speedrun.optim.schedule import RecordSchedule
     from upstream_model import exec_upstream, load_upstream_optimizer, load_upstream_schedule
@@ -291,11 +290,10 @@ def test_optimizer_steps_match_upstream(upstream_src):
 
     # upstream: the same tensors as its own parameters, labelled and reshaped as its model does
     up_opt = load_upstream_optimizer(upstream_src)
-    labels = {"mudd_gate_scale": "_mudd_gate_scale"}
     theirs = {}
     for label, p in ours.items():
         q = torch.nn.Parameter(p.detach().clone())
-        q.label = labels.get(label, label)
+        q.label = UPSTREAM_NAMES.get(label, label).replace(".weight", "")
         theirs[label] = q
     for label in ("qk_bank", "vo_bank"):
         theirs[label].reshape = tuple(theirs[label].shape)
@@ -306,13 +304,8 @@ def test_optimizer_steps_match_upstream(upstream_src):
         training_schedule=sched_up.training_schedule, get_muon_momentum=sched_up.get_muon_momentum))
     manager = SimpleNamespace(optimizer=None, split_step=sched_up.training_schedule.split_step,
                               _is_adam_step=lambda step: step % 2 == 1)
-    manager.optimizer = up_opt.NorMuonAndAdam(
-        [(q.label, q) for q in theirs.values()], param_table=_upstream_param_table(tm_ns),
-        scatter_order=list(_upstream_param_table(tm_ns)), work_order=_upstream_work_order(tm_ns),
-        adam_defaults=dict(lr=0.008, eps=1e-10, weight_decay=0.005),
-        normuon_defaults=dict(lr=0.023, momentum=0.95, beta2=0.9, weight_decay=1.2))
-    for label in ours:
-        assert ours[label].dtype == theirs[label].dtype, label
+    manager.optimizer = up_opt.NorMuonAndAdam([(q.label, q) for q in theirs.values()],
+                                              **_upstream_optimizer_arguments(tm_ns["TrainingManager"]))
 
     g = torch.Generator().manual_seed(0)
     for step in range(844, 852):
@@ -352,33 +345,29 @@ def _assert_same_adam_weights(mine: torch.Tensor, ref: torch.Tensor, what: str) 
     assert steps.max() <= 1 and (steps > 0).float().mean() < 1e-3, (what, steps.max().item(), steps.float().mean().item())
 
 
-def _upstream_param_table(tm_ns) -> dict:
-    """Upstream's param_table and work order, read from its TrainingManager.__init__ (they are
-    literals there, built before it makes the optimizer)."""
+def _upstream_optimizer_arguments(manager_cls) -> dict:
+    """The keyword arguments upstream's ``TrainingManager.__init__`` builds its optimizer with
+    (param table, scatter and work orders, Adam and NorMuon defaults: literals there), captured by
+    running it up to that call."""
     captured = {}
 
-    class Stop(Exception):
+    class Captured(Exception):
         pass
 
     def capture(named_params, **kwargs):
         captured.update(kwargs)
-        raise Stop
+        raise Captured
 
-    init = tm_ns["TrainingManager"].__init__
+    init = manager_cls.__init__
     saved = init.__globals__.get("NorMuonAndAdam")
     init.__globals__["NorMuonAndAdam"] = capture
     try:
         init(SimpleNamespace(), SimpleNamespace(named_parameters=lambda: []))
-    except Stop:
+    except Captured:
         pass
     finally:
         init.__globals__["NorMuonAndAdam"] = saved
-    tm_ns["_captured"] = captured
-    return captured["param_table"]
-
-
-def _upstream_work_order(tm_ns) -> list:
-    return tm_ns["_captured"]["work_order"]
+    return captured
 
 
 # ----------------------------------------------------------------------------------------------
@@ -489,11 +478,9 @@ def test_init_matches_upstream(upstream):
                       architecture="record")
     ours = RecordGPT(cfg, RecordArchConfig(pad_world_size=1))
     up = {n: p.detach().float() for n, p in model_up.named_parameters()}
-    names = {"lm_head": "lm_head.weight", "embed": "embed.weight", "smear_gate": "smear_gate.weight",
-             "bigram_embed": "bigram_embed.weight", "mudd_gate_scale": "_mudd_gate_scale"}
     random = {"qk_bank", "vo_bank", "mlp_bank", "lm_head", "embed", "value_embeds", "mudd_w1", "mudd_gate_w1"}
     for name, p in ours.named_parameters():
-        mine, want = p.detach().float(), up[names.get(name, name)]
+        mine, want = p.detach().float(), up[UPSTREAM_NAMES.get(name, name)]
         if name == "mlp_bank":
             want = want[:L]
         assert mine.shape == want.shape, name
