@@ -1,10 +1,12 @@
-"""Upstream f411b3d's GPT, loaded from its ``train_gpt.py`` on the CPU for equivalence tests.
+"""Upstream f411b3d's own code, loaded from its files on the CPU for the equivalence tests.
 
-``train_gpt.py`` is a script: importing it would start a distributed run.  :func:`load_upstream_gpt`
-takes only the class and function definitions the model needs (by name, from the syntax tree),
-applies a few anchored text patches that remove CUDA-only calls, and executes them in a namespace
-that supplies the script's globals (``args``, ``device``, ``world_size``, ...).  Upstream's
-evaluation forward then runs on the CPU with three stand-ins:
+``train_gpt.py`` is a script: importing it would start a distributed run.  :func:`exec_upstream`
+takes only the definitions a test needs (by name, from the syntax tree), applies anchored text
+patches (:data:`PATCHES`: CUDA-only calls, and two spots whose eager CPU semantics differ from the
+compiled GPU run), and executes them in a namespace that supplies the script's globals (``args``,
+``device``, ``world_size``, ...).  Loaders on top: the model (:func:`load_upstream_gpt`), the
+schedule, the optimizer and the data generator.  The model's evaluation forward runs with three
+stand-ins:
 
 - FA3's ``flash_attn_varlen_func``: a dense masked attention with FA3's contract (causal, documents
   from ``cu_seqlens``, ``window_size=(left, 0)`` lets query ``i`` see keys ``i - left .. i``);
@@ -13,7 +15,7 @@ evaluation forward then runs on the CPU with three stand-ins:
 - the DC correction: upstream's own autograd Function and Triton kernels (they need
   ``TRITON_INTERPRET=1``), called below the wrapper that refuses CPU tensors.
 
-Nothing here is project code: it exists so that tests can run upstream's wiring next to ours.
+Nothing here is project code: it exists so that tests can run upstream next to ours.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import Tensor, nn
 NEEDED = ("norm", "CastedLinearT", "Yarn", "AttnArgs", "dc_gate", "CausalSelfAttention",
           "next_multiple_of_n", "ForwardScheduleConfig", "GPT", "get_bigram_hash", "Hyperparameters")
 
-# (anchor, replacement, expected count): CUDA-only calls in the kept definitions.
+# (anchor, replacement, expected count) in train_gpt.py, applied before anything is kept.
 PATCHES = (
     ("torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count", "132", 1),
     ("torch.empty_like(x, pin_memory=True)", "torch.empty_like(x)", 1),
