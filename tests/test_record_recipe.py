@@ -174,10 +174,11 @@ def test_fused_kernels_train_like_the_reference(tmp_path, kernels):
 def test_fp8_candidate_resume_equals_uninterrupted(tmp_path, kernels_use_references, input_scaling):
     """FP8 delayed scales (MLP weight cache, packed QKV weights, MLP activations, and the MLP's x/g
     scales when delayed) are part of the checkpoint: without them a resumed run re-bootstraps its
-    scales and drifts from the uninterrupted one.  (PyTorch reference kernels: the scale
-    bookkeeping is the same code.)"""
+    scales and drifts from the uninterrupted one.  With a warmup, whose FP8 scales are reset before
+    the resumed run loads the saved ones.  (PyTorch reference kernels: the scale bookkeeping is
+    the same code.)"""
     extra = ("model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_head_dim=16", "train.batch_divisor=1024",
-             "train.checkpoint_every=3", "train.steps=8", "train.num_extension=1",
+             "train.checkpoint_every=3", "train.steps=8", "train.num_extension=1", "train.warmup_steps=1",
              f"model.fp8_input_scaling={input_scaling}")
     whole = train(tiny_record(tmp_path, *extra), console=False)
     cut = train(tiny_record(tmp_path, *extra), console=False, stop_after=5)
