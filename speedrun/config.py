@@ -228,6 +228,10 @@ class TrainConfig:
     gc_freeze: bool = True
     val_every: int = 50
     val_tokens: int = 32768
+    # Tokens of each rank's validation batch (contiguous text, cut into documents at BOS; a
+    # document crossing a batch edge loses its context there, so the loss depends on this).
+    # 0: the largest unmerged training micro-batch.  Divided by ``batch_divisor`` like the stages.
+    val_batch_tokens: int = 0
     log_every: int = 10
     checkpoint_every: int = 0  # 0: only at the end
     seed: int = 1337
@@ -337,6 +341,7 @@ def record() -> RunConfig:
         train=TrainConfig(
             steps=1285, num_extension=15, schedule="record", optimizer="normuon", grad_accum=0,
             lr=0.008, muon_lr=0.023, val_every=250, val_tokens=10485760, log_every=1, warmup_steps=2,
+            val_batch_tokens=262144,  # upstream's val_batch_size 2,097,152 over its 8 ranks x micro-batches
             compile=True, optimizer_compile=True, dtype="bf16", sample_prompt="The", sample_tokens=0,
             preflight=True, ce_sigmoid="tanh",
         ),

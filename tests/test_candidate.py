@@ -57,6 +57,31 @@ def test_candidate_path_matches_reference(qkv_path, bound_loss, bound_grad):
         assert err < bound_grad, (name, err)
 
 
+@pytest.mark.parametrize("fp8,plain", [
+    (dict(kernels="fp8"), dict()),  # the record: FP8 MLP forward (and head)
+    (dict(kernels="fp8_full", qkv_path="fused_fp8"), dict(qkv_path="fused")),  # the candidate's FP8 switches
+], ids=["record", "candidate"])
+def test_evaluation_runs_without_fp8(fp8, plain):
+    """Upstream validates in bf16 (its FP8 paths are for training only): in evaluation mode the FP8
+    model's per-token loss is the same model's without FP8, to the bit, while its training loss is
+    not (the FP8 kernels run there)."""
+    base = dict(vocab_size=257, num_layers=6, model_dim=32, num_heads=2, qk_head_dim=16, v_head_dim=16,
+                architecture="record")
+    torch.manual_seed(0)
+    ref = RecordGPT(ModelConfig(**base, **plain))
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    quant = RecordGPT(ModelConfig(**base, **fp8))
+    quant.load_state_dict(ref.state_dict())
+    batch = _batch()
+    for model in (ref, quant):
+        model.refresh_fp8_weights()
+    with torch.no_grad():
+        assert torch.equal(quant.eval().per_token_loss(batch, ARGS), ref.eval().per_token_loss(batch, ARGS))
+        assert quant.train().loss(batch, ARGS) != ref.train().loss(batch, ARGS)
+
+
 def test_value_residual_gradient_is_not_copied(monkeypatch):
     """QK-prep's value residual gets v's gradient by reference (attach_value_residual_grad): no
     opaque op returns a tensor it was handed, which the op would have to copy (T x H x Dv per

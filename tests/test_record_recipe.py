@@ -236,15 +236,20 @@ def test_warmup_runs_only_the_steps_a_short_stage_has(tmp_path, monkeypatch):
     assert steps == [0, 1, 2, 3, 4] + [0, 1, 2, 3, 4]  # the warmup, then the timed run
 
 
-@pytest.mark.parametrize("extra", [[], ["model.embedding_grad=atomic_graph"]], ids=["preset", "lookups_in_graph"])
-def test_compiled_run_never_recompiles_after_the_warmup(tmp_path, monkeypatch, extra):
+@pytest.mark.parametrize("extra", [[], ["model.embedding_grad=atomic_graph"], ["model.kernels=fp8"]],
+                         ids=["preset", "lookups_in_graph", "fp8"])
+def test_compiled_run_never_recompiles_after_the_warmup(tmp_path, monkeypatch, request, extra):
     """The warmup compiles every training stage and every validation the run will make (mid-run
     ones in several stages, and the final one with its wider window): the timed region, and the
     validations inside it, compile nothing, also with the embedding lookups traced into the
-    network.  (Dynamo with its eager backend: the guards and recompiles are Dynamo's, no code
-    generation needed.)"""
+    network, and with the FP8 kernels, which validation leaves out (the network then branches on
+    ``training``).  (Dynamo with its eager backend: the guards and recompiles are Dynamo's, no
+    code generation needed; the FP8 kernels as their PyTorch references.)"""
     import torch._dynamo
     from speedrun.model.record import RecordGPT
+
+    if "model.kernels=fp8" in extra:
+        request.getfixturevalue("kernels_use_references")
 
     real = RecordGPT.compile_body
     monkeypatch.setattr(RecordGPT, "compile_body", lambda self, **kw: real(self, **{**kw, "backend": "eager"}))

@@ -175,6 +175,22 @@ def test_merged_micro_batches_give_the_same_step(tmp_path):
         assert torch.allclose(g1[k], g0[k], rtol=1e-4, atol=1e-7), k
 
 
+def test_validation_batch_tokens():
+    from speedrun.train.loop import MicroBatching, validation_batch_tokens
+
+    plans = [MicroBatching(16384, 1, 8), MicroBatching(49152, 1, 8)]
+    cfg = preset("record")
+    assert validation_batch_tokens(cfg, plans) == 262144  # upstream's, whatever the micro-batches
+    cfg.train.batch_divisor = 1024
+    assert validation_batch_tokens(cfg, plans) == 256  # shrunk with the stages
+    cfg.train.val_batch_tokens = 0
+    assert validation_batch_tokens(cfg, plans) == 49152  # the largest unmerged micro-batch
+    for bad in (-1, 1.5, True):
+        cfg.train.val_batch_tokens = bad
+        with pytest.raises(ConfigError, match="val_batch_tokens"):
+            validation_batch_tokens(cfg, plans)
+
+
 def test_record_backpropagates_each_micro_batch_sum(tmp_path, monkeypatch):
     """The record recipe's gradient is upstream's: per-token losses summed over each micro-batch,
     over the accumulation count (``loss.sum() * grad_scale``), i.e. the mean's times the

@@ -245,6 +245,19 @@ def test_schedule_matches_upstream_at_every_step(upstream_src, scheduled, extens
             assert got.yarn_change == (ts.lookup(step - 1)[0].window_sizes[1] != st.window_sizes[1]), step
 
 
+def test_validation_sizes_match_upstream(upstream_src):
+    """The record validates over upstream's token count in upstream's batches: its
+    ``val_batch_size`` split over 8 ranks x micro-batches (a batch edge cuts a document's context,
+    so the loss depends on it)."""
+    from speedrun.config import record
+    from upstream_model import exec_upstream
+
+    args = exec_upstream(upstream_src, ("Hyperparameters",), {})["Hyperparameters"]()
+    cfg = record()
+    assert cfg.train.val_tokens == args.val_tokens
+    assert cfg.train.val_batch_tokens * 8 == args.val_batch_size
+
+
 # ----------------------------------------------------------------------------------------------
 # The optimizer (recipe §4): NorMuon + Adam steps against upstream's NorMuonAndAdam
 

@@ -43,7 +43,8 @@ and everything else stay inside a document.
 Fused kernels plug in through ``ce_impl``, ``eval_ce_impl``, ``mlp_impl`` and ``dc_impl`` (instance
 attributes with the signatures of :func:`record_parts.softcapped_mtp_ce`,
 :func:`record_parts.softcapped_ce_eval_plain`, :func:`record_parts.relu2_mlp_plain` and
-:func:`record_parts.dc_postonly_correction`).
+:func:`record_parts.dc_postonly_correction`).  FP8 is for training only: in evaluation mode the
+MLP is :func:`record_parts.relu2_mlp_plain` and the packed QKV GEMM bf16, as upstream validates.
 """
 
 from __future__ import annotations
@@ -772,7 +773,7 @@ class RecordGPT(nn.Module):
         H, dqk, dv = self.num_heads, self.qk_dim, self.v_dim
         T = h.shape[0]
         w_qk, w_v = banks[0][j], banks[1][2 * j]
-        if self.cfg.qkv_path == "fused_fp8":
+        if self.cfg.qkv_path == "fused_fp8" and self.training:  # evaluation: the bf16 GEMM
             qkv = opaque.call(self._kernel_handles[("qkv", j)], [h, w_qk, w_v, sa0])[0]
         else:
             qkv = packed_qkv_linear_reference(h, None, w_qk.type_as(h), w_v.type_as(h), sa0.type_as(h), num_heads=H)
@@ -1022,6 +1023,9 @@ class RecordGPT(nn.Module):
         # element (4.3 ms per stage-3 step, ~10x its bytes, seventh device session); unbind's
         # backward is a stack, written region by region.
         mlp_w = [layer.unbind(0) for layer in self.mlp_bank.unbind(0)]
+        # Evaluation runs without FP8, as upstream's does: its MLP in plain bf16 (so do the packed
+        # QKV GEMM, :meth:`_packed_qkv`, and the head, ``eval_ce_impl``).
+        mlp = self.mlp_impl if self.training else relu2_mlp_plain
         # the same for the attention banks (their gradients summed 2-3 slice/select_backwards per layer)
         banks = (self.qk_bank.split(H, dim=0), self.vo_bank.unbind(0))
 
@@ -1063,9 +1067,9 @@ class RecordGPT(nn.Module):
                         x = self._add_bigram(x, xb, gates["bigram"][i])
             h = _norm(x)
             if mu is not None:
-                x = mu[12] * x + mu[13] * self.mlp_impl(h, *mlp_w[i], layer=i)
+                x = mu[12] * x + mu[13] * mlp(h, *mlp_w[i], layer=i)
             else:
-                x = rm[i] * x + pm[i] * self.mlp_impl(h, *mlp_w[i], layer=i)
+                x = rm[i] * x + pm[i] * mlp(h, *mlp_w[i], layer=i)
             if i == a.skip_from:
                 cache_skip = x
             if i == a.saved_layer:

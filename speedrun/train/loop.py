@@ -211,6 +211,17 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
     return total if grad_mult * accum == 1 else total / (grad_mult * accum)
 
 
+def validation_batch_tokens(cfg: RunConfig, plans: list[MicroBatching]) -> int:
+    """Tokens of each rank's validation batch: ``train.val_batch_tokens / train.batch_divisor``,
+    or with 0 the largest unmerged micro-batch of ``plans`` (so merging leaves the metric as it is)."""
+    want = cfg.train.val_batch_tokens
+    if isinstance(want, bool) or not isinstance(want, int) or want < 0:
+        raise ConfigError(f"train.val_batch_tokens must be an int >= 0 (0 = the largest micro-batch), got {want!r}")
+    if want == 0:
+        return max(p.chunk for p in plans)
+    return max(1, want // max(1, cfg.train.batch_divisor))
+
+
 @torch.no_grad()
 def evaluate(model, val_files, cfg: RunConfig, info, dtype, per_rank: int, args: ForwardArgs = ForwardArgs(),
              max_batches: int | None = None) -> float:
@@ -431,15 +442,14 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     optimizer = recipe.optimizer
     stages = recipe.stages
     plans = [micro_batching(s, cfg, info.world_size) for s in stages]
-    # Validation batches are the largest unmerged micro-batch, so merging leaves the metric as it is
-    val_batch = max(p.chunk for p in plans)
+    val_batch = validation_batch_tokens(cfg, plans)
     max_tokens = max(p.tokens for p in plans)  # the largest training micro-batch
     if cfg.train.val_tokens < val_batch * info.world_size:  # fail before training, not at the first validation
         raise ConfigError(f"train.val_tokens={cfg.train.val_tokens} is smaller than one validation batch "
                           f"({val_batch} tokens x {info.world_size} ranks)")
-    if hasattr(model, "warm_tables"):  # RoPE tables must exist before compiling
-        recipe.max_tokens = max_tokens
-        model.warm_tables(max_tokens, device)
+    if hasattr(model, "warm_tables"):  # RoPE tables must exist before compiling (validation's too)
+        recipe.max_tokens = max(max_tokens, val_batch)
+        model.warm_tables(recipe.max_tokens, device)
     configure_kernel_launch(cfg)
     run_model = compile_model(model, cfg)
     bigram_mod = getattr(model, "bigram_mod", None)
