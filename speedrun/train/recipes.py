@@ -169,7 +169,7 @@ class RecordRecipe:
         adam = {id(e.param) for e in self.optimizer.entries.values() if e.spec.optim == "adam"}
         self._embeddings_adam_only = all(id(p) in adam for p in model.embedding_grad_params().values())
         self._long_window = None
-        self.max_tokens = 0  # set by the loop: the largest micro-batch, for rebuilding RoPE tables
+        self.max_tokens = 0  # set by the loop: the largest batch (training or validation), for the RoPE tables
         self.fp8_refreshes = 0
         self._refresh_fp8()
 
