@@ -79,6 +79,16 @@ def perturbed_upstream(up, seed=0):
     return model
 
 
+def _odd_rotating(ours: RecordGPT) -> torch.Tensor:
+    """(HD,) bool: the second dim of every rotating pair.  Upstream rotates each pair (x0, x1) by
+    -theta where we rotate by +theta: the same model up to a sign flip of x1 in every rotating
+    pair of q and k (QK-norm and the dot products are blind to it), so those Q/K bank rows (and
+    their gradients) change sign."""
+    odd = torch.zeros(HD, dtype=torch.bool)
+    odd[1 : ours.yarn.rope_dims : 2] = True
+    return odd
+
+
 @torch.no_grad()
 def ours_from(model_up) -> RecordGPT:
     cfg = ModelConfig(vocab_size=VOCAB, num_layers=L, model_dim=D, num_heads=H, qk_head_dim=HD, v_head_dim=HD,
@@ -92,12 +102,7 @@ def ours_from(model_up) -> RecordGPT:
         assert src.shape == p.shape, (name, tuple(src.shape), tuple(p.shape))
         p.copy_(src)
     assert not up, f"upstream parameters without a counterpart: {sorted(up)}"
-    # Upstream rotates each pair (x0, x1) by -theta where we rotate by +theta: the same model up to a
-    # sign flip of x1 in every rotating pair of q and k (QK-norm and the dot products are blind to
-    # it), so the rows of those dims change sign in the Q/K bank.
-    odd_rotating = torch.zeros(HD, dtype=torch.bool)
-    odd_rotating[1 : ours.yarn.rope_dims : 2] = True
-    ours.qk_bank.view(-1, HD, D)[:, odd_rotating] *= -1
+    ours.qk_bank.view(-1, HD, D)[:, _odd_rotating(ours)] *= -1
     ours.bigram_sign_table.copy_(model_up.bigram_sign_table)
     return ours.float().eval()
 
@@ -178,8 +183,7 @@ def test_gradients_match_upstream(upstream):
     model_up(*batch_up, cfg).mean().backward()
     ours.per_token_loss(batch, ForwardArgs(window_short=64, window_long=192)).mean().backward()
     up = dict(model_up.named_parameters())
-    odd_rotating = torch.zeros(HD, dtype=torch.bool)
-    odd_rotating[1 : ours.yarn.rope_dims : 2] = True
+    odd_rotating = _odd_rotating(ours)
     for name, p in ours.named_parameters():
         want = up[UPSTREAM_NAMES.get(name, name)].grad
         if name == "mlp_bank":
@@ -270,10 +274,11 @@ UPDATE_RTOL = 0.05
 
 def _master(p: torch.Tensor, mantissa: torch.Tensor | None) -> torch.Tensor:
     """fp32 master of a bf16 weight and its 16-bit mantissa buffer (either signedness)."""
+    from speedrun.optim.normuon import join_bf16
+
     if mantissa is None:
         return p.detach().float()
-    bits = (p.detach().reshape(mantissa.shape).view(torch.int16).to(torch.int32) << 16) | (mantissa.view(torch.int16).to(torch.int32) & 0xFFFF)
-    return bits.view(torch.float32)
+    return join_bf16(p.detach().reshape(mantissa.shape), mantissa.view(torch.int16))
 
 
 def test_optimizer_steps_match_upstream(upstream_src):

@@ -179,17 +179,17 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
     args = recipe.forward_args(step)
     mb = micro_batching(recipe.stages[recipe.stage_index(step)], cfg, info.world_size)
     accum = mb.count
-    # What each micro-batch's mean loss is multiplied by for backward.  "sum" (the record): the
-    # gradient of the per-token losses summed over each unmerged micro-batch, times 1 / its
-    # accumulation count (upstream's loss.sum() * grad_scale); merged micro-batches give the same.
-    grad_mult = (mb.chunk if recipe.loss_reduction == "sum" else 1) / accum
+    # "sum" (the record): backward of the per-token losses summed over each unmerged micro-batch,
+    # over the accumulation count (upstream's loss.sum() * grad_scale), i.e. each micro-batch's
+    # mean times `unit` tokens; merged micro-batches give the same.
+    unit = mb.chunk if recipe.loss_reduction == "sum" else 1
     total = torch.zeros((), device=info.device)
     mark("setup")
     for _ in range(accum):
         batch = loader.next_batch()
         mark("data")
         with _autocast(info.device, dtype):
-            loss = model.loss(batch, args) * grad_mult
+            loss = model.loss(batch, args) * (unit / accum)
         mark("forward")
         loss.backward()
         mark("backward")
@@ -208,7 +208,7 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
     if end_fp8_step is not None:  # next step's FP8 activation scales, the same on every rank
         end_fp8_step()
     mark("fp8_step_end")
-    return total if grad_mult * accum == 1 else total / (grad_mult * accum)
+    return total if unit == 1 else total / unit
 
 
 def validation_batch_tokens(cfg: RunConfig, plans: list[MicroBatching]) -> int:
