@@ -108,6 +108,11 @@ class ModelConfig:
     # "atomic" looks the rows up before the compiled network, "atomic_graph" inside it (Inductor
     # fuses the gathers into the kernels that read the rows, as with autograd's lookups).
     embedding_grad: str = "autograd"
+    # Output columns of the record network's MUDD and MUDD-gate projections (5, 12, 14 and 41
+    # wide) padded with zero rows of the weight up to a multiple of this, then sliced off: at 1
+    # their GEMMs' row strides are not 16-byte aligned and cuBLAS picks its align1 kernels; 8
+    # aligns them.  The padded columns are exact zeros, so the result is the same.
+    gate_gemm_align: int = 1
 
     @property
     def padded_vocab_size(self) -> int:
@@ -145,6 +150,8 @@ class ModelConfig:
             raise ConfigError("model.qk_prep_fp8_grad=true quantises the packed FP8 QKV GEMM's output gradient with "
                               "its delayed scale: it needs model.qkv_path=fused_fp8 and model.fp8_input_scaling=delayed; "
                               f"got qkv_path={self.qkv_path!r}, fp8_input_scaling={self.fp8_input_scaling!r}")
+        if self.gate_gemm_align not in (1, 2, 4, 8, 16):
+            raise ConfigError(f"model.gate_gemm_align must be 1, 2, 4, 8 or 16, got {self.gate_gemm_align}")
         for name in ("vocab_size", "num_layers", "model_dim", "num_heads", "qk_head_dim", "v_head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")

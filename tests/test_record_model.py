@@ -220,6 +220,42 @@ def test_scaled_arch_layouts_build_and_run():
         RecordGPT(ModelConfig(vocab_size=257, num_layers=6, model_dim=48, num_heads=3, qk_head_dim=16, v_head_dim=16))
 
 
+@pytest.mark.parametrize("align", [8, 16])
+def test_gate_gemm_padding_changes_nothing(align):
+    """model.gate_gemm_align pads the MUDD / MUDD-gate projections' output columns with zeros and
+    slices them off: the loss and every gradient equal the unpadded network's, and the padded
+    outputs really are wider (the GEMM sees an aligned row stride)."""
+    import dataclasses
+
+    from speedrun.model import record_parts
+
+    plain = perturb(RecordGPT(tiny_cfg()))
+    padded = RecordGPT(dataclasses.replace(tiny_cfg(), gate_gemm_align=align))
+    padded.load_state_dict(plain.state_dict())
+    widths = []
+    real_linear = F.linear
+
+    def spy(x, w, b=None):
+        out = real_linear(x, w, b)
+        widths.append(out.shape[-1])
+        return out
+
+    batch = make_batch()
+    lp = plain.loss(batch, ARGS)
+    lp.backward()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(record_parts.F, "linear", spy)
+        la = padded.loss(batch, ARGS)
+    la.backward()
+    gate_sizes = {plain.pre_layout.size, plain.post_layout.size, 14, 5}
+    assert {-(-n // align) * align for n in gate_sizes} <= set(widths) and not gate_sizes & set(widths), widths
+    torch.testing.assert_close(la, lp, rtol=1e-6, atol=0)
+    for (name, p1), (_, p2) in zip(plain.named_parameters(), padded.named_parameters()):
+        torch.testing.assert_close(p2.grad, p1.grad, rtol=1e-5, atol=1e-7, msg=name)
+    with pytest.raises(ConfigError, match="gate_gemm_align"):
+        dataclasses.replace(tiny_cfg(), gate_gemm_align=3).validate()
+
+
 def test_bank_padding_keeps_real_rows():
     model = RecordGPT(tiny_cfg())
     qk = model.qk_bank.detach().clone()

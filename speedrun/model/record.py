@@ -1009,9 +1009,9 @@ class RecordGPT(nn.Module):
         x0 = _norm(x)
 
         gates: dict = {"xsa": {}, "attn": {}, "x0": {}, "bigram": {}, "dc": {}, "skip": None}
-        scale = self.mudd_gate_scale
+        scale, align = self.mudd_gate_scale, self.cfg.gate_gemm_align
         pre = mudd_mlp(x0, self.mudd_gate_w1[0], self.mudd_gate_w2[0, : self.pre_layout.size],
-                       self.mudd_gate_b2[0, : self.pre_layout.size], scale)
+                       self.mudd_gate_b2[0, : self.pre_layout.size], scale, align)
         self._unpack_gate(pre, self.pre_layout, gates)
         x = self._add_bigram(x0, xb, gates["bigram"][0]) if 0 in gates["bigram"] else x0
         x_in = x
@@ -1033,7 +1033,7 @@ class RecordGPT(nn.Module):
             mu = None
             if i == a.post_gate_layer:
                 post = mudd_mlp(x, self.mudd_gate_w1[1], self.mudd_gate_w2[1, : self.post_layout.size],
-                                self.mudd_gate_b2[1, : self.post_layout.size], scale)
+                                self.mudd_gate_b2[1, : self.post_layout.size], scale, align)
                 self._unpack_gate(post, self.post_layout, gates)
             if i in a.attnless_layers:
                 if i == a.skip_to:
@@ -1044,7 +1044,7 @@ class RecordGPT(nn.Module):
                 aux_v = None
                 if i == self.last:
                     x_last = x
-                    mu = mudd_mlp(x, self.mudd_w1[0], self.mudd_w2[0], self.mudd_b2[0], a.mudd_scale).unbind(-1)
+                    mu = mudd_mlp(x, self.mudd_w1[0], self.mudd_w2[0], self.mudd_b2[0], a.mudd_scale, align).unbind(-1)
                     mu = [m[:, None] for m in mu]
                     aux_v = mu[0] * x_in + mu[1] * cache_saved + mu[2] * x
                     x = (1 + mu[5]) * x + mu[3] * x_in + mu[4] * cache_saved
@@ -1075,7 +1075,7 @@ class RecordGPT(nn.Module):
             if i == a.saved_layer:
                 cache_saved = x
 
-        m = mudd_mlp(x, self.mudd_w1[1], self.mudd_w2[1, :MUDD1_COEFS], self.mudd_b2[1, :MUDD1_COEFS], a.mudd_scale)
+        m = mudd_mlp(x, self.mudd_w1[1], self.mudd_w2[1, :MUDD1_COEFS], self.mudd_b2[1, :MUDD1_COEFS], a.mudd_scale, align)
         m = [c[:, None] for c in m.unbind(-1)]
         ve0 = ve[0]
         x = x + m[0] * x_in + m[1] * cache_saved + m[2] * x_last + m[3] * ve0 + m[4] * cache_skip

@@ -300,10 +300,20 @@ class GateLayout:
         return b
 
 
-def mudd_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, scale) -> torch.Tensor:
-    """``(gelu(x w1ᵀ) w2ᵀ + b2) * scale``: x (T, D), w1 (hidden, D), w2 (n, hidden), b2 (n,) -> (T, n)."""
+def mudd_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, scale,
+             align: int = 1) -> torch.Tensor:
+    """``(gelu(x w1ᵀ) w2ᵀ + b2) * scale``: x (T, D), w1 (hidden, D), w2 (n, hidden), b2 (n,) -> (T, n).
+
+    ``align`` > 1 pads w2 and b2 with zeros to a multiple of ``align`` outputs and slices the
+    result back to n columns (a view with row stride n + pad): the same values, but the GEMMs
+    see 16-byte-aligned row strides (``model.gate_gemm_align``)."""
+    n = w2.shape[0]
+    pad = -n % align
+    if pad:
+        w2, b2 = F.pad(w2, (0, 0, 0, pad)), F.pad(b2, (0, pad))
     hdn = F.gelu(F.linear(x, w1.type_as(x)))
     out = F.linear(hdn, w2.type_as(x)) + b2.type_as(x)
     if isinstance(scale, torch.Tensor):
         scale = scale.type_as(x)
-    return out * scale
+    out = out * scale
+    return out[:, :n] if pad else out
