@@ -113,6 +113,11 @@ class ModelConfig:
     # their GEMMs' row strides are not 16-byte aligned and cuBLAS picks its align1 kernels; 8
     # aligns them.  The padded columns are exact zeros, so the result is the same.
     gate_gemm_align: int = 1
+    # Weight gradients of the record MLP (kernels triton / fp8): "autograd" (each layer's dW1, dW2
+    # returned, stacked into a bank-sized gradient and added into .grad per micro-batch) or
+    # "accumulate" (the dW GEMMs write into one bank-shaped buffer, adding into it from the second
+    # micro-batch on, handed to .grad once per step: speedrun.model.bank_grad)
+    mlp_weight_grad: str = "autograd"
 
     @property
     def padded_vocab_size(self) -> int:
@@ -135,13 +140,18 @@ class ModelConfig:
             raise ConfigError(f"rope_fraction must lie in [0, 1], got {self.rope_fraction}")
         choices = {"kernels": ("reference", "triton", "fp8", "fp8_full"),
                    "qkv_path": ("reference", "fused", "fused_fp8"), "architecture": ("core", "record"),
-                   "fp8_input_scaling": ("current", "delayed"), "mlp_input_quant": ("kernel", "graph"), "embedding_grad": ("autograd", "atomic", "atomic_graph")}
+                   "fp8_input_scaling": ("current", "delayed"), "mlp_input_quant": ("kernel", "graph"), "embedding_grad": ("autograd", "atomic", "atomic_graph"),
+                   "mlp_weight_grad": ("autograd", "accumulate")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}; known: {', '.join(allowed)}")
         if self.architecture == "core" and (self.kernels != "reference" or self.qkv_path != "reference"
                                             or self.embedding_grad != "autograd"):
             raise ConfigError("model.kernels, model.qkv_path and model.embedding_grad apply to architecture=record only")
+        if self.mlp_weight_grad == "accumulate" and (self.architecture != "record" or self.kernels not in ("triton", "fp8")):
+            raise ConfigError("model.mlp_weight_grad=accumulate needs the record network's fused MLP with bf16 weight "
+                              f"gradients (model.kernels triton or fp8); got architecture={self.architecture!r}, "
+                              f"kernels={self.kernels!r}")
         if self.mlp_input_quant == "graph" and (self.kernels != "fp8" or self.fp8_input_scaling != "current"):
             raise ConfigError("model.mlp_input_quant=graph quantises the MLP input of model.kernels=fp8 with "
                               f"model.fp8_input_scaling=current; got kernels={self.kernels!r}, "

@@ -37,10 +37,11 @@ def _compiled(model):
 @pytest.mark.parametrize("qkv_path,kernels,switches", [
     ("reference", "reference", {}), ("reference", "fp8", {}), ("reference", "fp8", {"mlp_input_quant": "graph"}),
     ("reference", "fp8", {"embedding_grad": "atomic"}), ("reference", "fp8", {"embedding_grad": "atomic_graph"}),
-    ("fused_fp8", "fp8_full", {})])
+    ("reference", "fp8", {"mlp_weight_grad": "accumulate"}), ("fused_fp8", "fp8_full", {})])
 def test_compiled_record_network_equals_eager(qkv_path, kernels, switches):
     """Baseline (reference, the record's FP8 MLP, its input quantised in the graph, the embedding
-    rows' gradients accumulated in place, looked up before or inside the network) and candidate
+    rows' gradients accumulated in place, looked up before or inside the network, the MLP bank's
+    gradient summed in place) and candidate
     switches: loss, every gradient (the accumulated embedding gradients flushed) and the no-grad
     evaluation forward equal the eager model's, over two steps (the second uses the delayed FP8
     scales the first measured)."""
@@ -58,7 +59,10 @@ def test_compiled_record_network_equals_eager(qkv_path, kernels, switches):
         assert torch.equal(le, lc), (step, le.item(), lc.item())
         for m in (eager, compiled):
             m.flush_embedding_grads()
+            m.flush_weight_grads()
         ge, gc = _grads(eager), _grads(compiled)
+        if "mlp_weight_grad" in switches:  # the compiled backward kept the op's in-place sums
+            assert gc["mlp_bank"].abs().sum() > 0 and compiled.mlp_bank.grad is compiled._mlp_weight_grads.buffer
         if "embedding_grad" in switches:
             assert {"embed", "value_embeds", "bigram_embed"} <= gc.keys()
         assert ge.keys() == gc.keys()

@@ -870,6 +870,11 @@ class _Relu2MLP(torch.autograd.Function):
             x, w1, w2, post = ctx.saved_tensors
             dpre = relu2_gemm(g, w2.t(), aux=post, out_dtype=g.dtype).out
             dx = dpre @ w1
+            sink = getattr(ctx, "dw_sink", None)
+            if sink is not None:  # the caller's buffer takes dW1, dW2 (both (H, D)) in its GEMMs
+                sink(0, dpre.t(), x)
+                sink(1, post.t(), g)
+                return dx, None, None, None, None, None, None, None
             dw1 = dpre.t() @ x
             # dW2 (D, H) as the transpose of a contiguous (H, D) product: the banks store w2 as
             # (H, D), whose gradient then needs no transposing copy (88 per step in the record)
@@ -921,19 +926,29 @@ def _mlp_inputs(x, w1, w2, mode, cache, scales, x_fp8=None):
 
 
 def relu2_mlp_forward(ctx, x, w1, w2, *, mode: str, cache=None, scales: "MLPScaleState | None" = None,
-                      x_fp8=None) -> torch.Tensor:
+                      x_fp8=None, dw_sink=None) -> torch.Tensor:
     """The forward half of :func:`relu2_mlp` for callers that run forward and backward themselves
     (:mod:`speedrun.kernels.opaque`): same arguments, state for the backward kept on ``ctx`` (a
-    :class:`~speedrun.kernels.opaque.KernelCtx`).  Returns y (..., D)."""
+    :class:`~speedrun.kernels.opaque.KernelCtx`).  Returns y (..., D).
+
+    ``dw_sink(which, a, b)`` (modes ``bf16`` and ``fp8_fwd``, whose weight gradients are bf16
+    GEMMs): the backward hands it the operands of dW1 = ``a @ b`` (``which`` 0) and of dW2 as
+    (H, D) (``which`` 1) instead of computing them, and returns None for both weights
+    (:class:`speedrun.model.bank_grad.MLPBankGradAccumulator` adds them into its buffer)."""
+    if dw_sink is not None and mode == "fp8_full":
+        raise ValueError("relu2_mlp: dw_sink needs mode 'bf16' or 'fp8_fwd' (fp8_full's weight gradients "
+                         "are FP8 GEMMs, which cannot add into a buffer)")
     x2, c1, c2, scales = _mlp_inputs(x, w1, w2, mode, cache, scales, x_fp8)
     ctx.x_shape = x.shape
+    ctx.dw_sink = dw_sink
     y = _Relu2MLP.forward(ctx, x2, w1, w2, mode, c1, c2, scales, x_fp8)
     return y.reshape(*x.shape[:-1], w2.shape[0])
 
 
 def relu2_mlp_backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward half: ``g`` (..., D) -> (dx like x, dw1 (H, D), dw2 (D, H)); dw2 is the
-    transpose of a contiguous (H, D) tensor (the layout the record's bank stores w2 in)."""
+    transpose of a contiguous (H, D) tensor (the layout the record's bank stores w2 in).  With a
+    ``dw_sink`` given to the forward, dw1 and dw2 are None (the sink took them)."""
     dx, dw1, dw2 = _Relu2MLP.backward(ctx, g.reshape(-1, g.shape[-1]))[:3]
     return dx.reshape(ctx.x_shape), dw1, dw2
 

@@ -57,15 +57,24 @@ class FusedMLP:
 
     ``input_quant="graph"`` (``fp8_fwd`` with current scaling only): the call quantises x with
     :func:`~speedrun.kernels.fp8_cache.quantize_current_graph` before the op, in the traced code,
-    and passes the e4m3 copy and its scale in; compiled, the amax joins the norm that made x."""
+    and passes the e4m3 copy and its scale in; compiled, the amax joins the norm that made x.
 
-    def __init__(self, mode: str, weights=None, input_scaling: str = "current", input_quant: str = "kernel"):
+    ``weight_grads`` (a :class:`~speedrun.model.bank_grad.MLPBankGradAccumulator`, modes ``bf16``
+    and ``fp8_fwd``): each layer's backward adds its dW1 and dW2 into the accumulator's bank-shaped
+    buffer inside the GEMMs, and the op returns no gradient for the weights."""
+
+    def __init__(self, mode: str, weights=None, input_scaling: str = "current", input_quant: str = "kernel",
+                 weight_grads=None):
         if input_quant not in ("kernel", "graph"):
             raise ConfigError(f"FusedMLP: input_quant must be 'kernel' or 'graph', got {input_quant!r}")
         if input_quant == "graph" and (mode != "fp8_fwd" or input_scaling != "current"):
             raise ConfigError(f"FusedMLP: input_quant='graph' needs mode 'fp8_fwd' and current input scaling, "
                               f"got mode {mode!r}, input_scaling {input_scaling!r}")
+        if weight_grads is not None and mode == "fp8_full":
+            raise ConfigError("FusedMLP: weight_grads (model.mlp_weight_grad=accumulate) needs mode 'bf16' or "
+                              "'fp8_fwd'; fp8_full's weight gradients are FP8 GEMMs")
         self.mode = mode
+        self.weight_grads = weight_grads
         self.input_scaling = input_scaling  # MLPScaleState.input_scaling of every layer
         self.input_quant = input_quant
         self.weights = weights  # layer -> cached (FP8Weight w1, FP8Weight w2) or None
@@ -110,10 +119,12 @@ class FusedMLP:
             self._handles[key] = opaque.register(opaque.OpaqueKernel(
                 name=f"relu2_mlp[{self.mode}, layer {key}]",
                 forward=lambda ctx, ts, key=key, layer=layer: self._forward(ctx, ts, key, layer),
-                backward=self._backward,
+                backward=lambda ctx, gs, layer=layer: self._backward(ctx, gs, layer),
                 out_specs=lambda ts: [((*ts[0].shape[:-1], ts[2].shape[1]), ts[0].dtype)],
+                # the weights take no gradient through the op when the accumulator takes it;
                 # graph: x's e4m3 copy and its scale ride along, without gradients
-                diff=(True, True, True) + ((False, False) if self.input_quant == "graph" else ()),
+                diff=(True,) + ((False, False) if self._accumulates(layer) else (True, True))
+                + ((False, False) if self.input_quant == "graph" else ()),
             ))
         return self._handles[key]
 
@@ -133,14 +144,21 @@ class FusedMLP:
                 # Both layouts of each weight from one quantisation; w_proj is stored (H, D), so its
                 # (D, H) view is the transposed entry.
                 cache = (FP8Weight(*quantize_current(w1.detach())), FP8Weight(*quantize_current(w_proj.detach())).t())
-        return [relu2_mlp_forward(ctx, x, w1, w_proj.t(), mode=self.mode, cache=cache, scales=scales, x_fp8=x_fp8)]
+        sink = None
+        if self._accumulates(layer):
+            acc = self.weight_grads
+            sink = lambda which, a, b: acc.add_product(layer, which, a, b)  # noqa: E731
+        return [relu2_mlp_forward(ctx, x, w1, w_proj.t(), mode=self.mode, cache=cache, scales=scales, x_fp8=x_fp8,
+                                  dw_sink=sink)]
 
-    @staticmethod
-    def _backward(ctx, grads):
+    def _accumulates(self, layer: int | None) -> bool:
+        return self.weight_grads is not None and layer is not None
+
+    def _backward(self, ctx, grads, layer: int | None):
         from speedrun.kernels.mlp import relu2_mlp_backward
 
         dx, dw1, dw2 = relu2_mlp_backward(ctx, grads[0])
-        return [dx, dw1, dw2.t()]
+        return [dx] if self._accumulates(layer) else [dx, dw1, dw2.t()]
 
     def __call__(self, x, w_fc, w_proj, layer: int | None = None):
         from speedrun.kernels import opaque
@@ -157,10 +175,12 @@ class FusedMLP:
         return y.to(in_dtype)
 
 
-def install_kernels(model, mode: str, input_scaling: str = "current", mlp_input_quant: str = "kernel") -> None:
+def install_kernels(model, mode: str, input_scaling: str = "current", mlp_input_quant: str = "kernel",
+                    mlp_weight_grads=None) -> None:
     """Set ``model.ce_impl`` and ``model.mlp_impl`` for ``mode`` (see the module docstring);
     ``input_scaling`` is the MLP's FP8 scaling of x and g (``ModelConfig.fp8_input_scaling``),
-    ``mlp_input_quant`` where its x is quantised (``ModelConfig.mlp_input_quant``)."""
+    ``mlp_input_quant`` where its x is quantised (``ModelConfig.mlp_input_quant``),
+    ``mlp_weight_grads`` the accumulator of ``model.mlp_weight_grad="accumulate"`` (or None)."""
     if mode not in MODES:
         raise ConfigError(f"model.kernels={mode!r}; known: {', '.join(MODES)}")
     if mode == "reference":
@@ -168,5 +188,5 @@ def install_kernels(model, mode: str, input_scaling: str = "current", mlp_input_
     model.ce_impl = FusedHead(use_fp8=mode != "triton", fp8_weight=getattr(model, "head_fp8_weight", None))
     model.mlp_impl = FusedMLP({"triton": "bf16", "fp8": "fp8_fwd", "fp8_full": "fp8_full"}[mode],
                               weights=getattr(model, "mlp_fp8_weights", None), input_scaling=input_scaling,
-                              input_quant=mlp_input_quant)
+                              input_quant=mlp_input_quant, weight_grads=mlp_weight_grads)
     model.mlp_impl.prepare(range(getattr(model, "num_layers", 0)))

@@ -322,10 +322,16 @@ class RecordGPT(nn.Module):
         self._qkv_inputs: dict[int, object] = {}  # attention index -> InputScaling of x and dy
         self._qkv_replay: dict[int, torch.Tensor] = {}  # raw scales the next refresh reuses (resume)
         self._qkv_fp8_versions: tuple[int, ...] | None = None
+        self._mlp_weight_grads = None
+        if model_cfg.mlp_weight_grad == "accumulate":
+            from speedrun.model.bank_grad import MLPBankGradAccumulator
+
+            self._mlp_weight_grads = MLPBankGradAccumulator(self.mlp_bank)
         if model_cfg.kernels != "reference":
             from speedrun.model.kernel_hooks import install_kernels
 
-            install_kernels(self, model_cfg.kernels, model_cfg.fp8_input_scaling, model_cfg.mlp_input_quant)
+            install_kernels(self, model_cfg.kernels, model_cfg.fp8_input_scaling, model_cfg.mlp_input_quant,
+                            mlp_weight_grads=self._mlp_weight_grads)
         self._backends: dict[torch.device, object] = {}
         self._hidden_fn = None  # torch.compile'd hidden (compile_body), else the eager method
         self._kernel_handles: dict[tuple, int] = {}
@@ -975,6 +981,18 @@ class RecordGPT(nn.Module):
         Adam steps).  No-op with ``model.embedding_grad="autograd"``."""
         if self._embedding_grads is not None:
             self._embedding_grads.flush()
+
+    def flush_weight_grads(self) -> None:
+        """Hand the MLP bank's gradient summed in place over the step's micro-batches
+        (``model.mlp_weight_grad="accumulate"``) to ``mlp_bank.grad``; the training step calls
+        this after its last backward.  No-op with ``"autograd"``."""
+        if self._mlp_weight_grads is not None:
+            self._mlp_weight_grads.flush()
+
+    def discard_weight_grads(self) -> None:
+        """Drop the MLP bank's gradient summed since the last flush (a discarded step)."""
+        if self._mlp_weight_grads is not None:
+            self._mlp_weight_grads.discard()
 
     def hidden(self, batch, args: ForwardArgs = ForwardArgs(), lookups=None) -> torch.Tensor:
         """Final normalised hidden states (T, D) of ``batch`` (fields inputs, cu_seqlens, max_seqlen,

@@ -196,6 +196,9 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
         recipe.after_backward(batch)
         total += loss.detach()
         mark("after_backward")
+    flush_weights = getattr(model, "flush_weight_grads", None)
+    if flush_weights is not None:  # the MLP bank's, summed in place (model.mlp_weight_grad)
+        flush_weights()
     flush = getattr(model, "flush_embedding_grads", None)
     if flush is not None and recipe.embedding_grads_due(step):  # accumulated in place (model.embedding_grad)
         flush()
@@ -506,9 +509,10 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
             reset_fp8()
         optimizer.load_state_dict(opt_state)
         optimizer.zero_grad()
-        discard = getattr(model, "discard_embedding_grads", None)
-        if discard is not None:  # an even warmup step's embedding gradients, not yet flushed
-            discard()
+        for name in ("discard_embedding_grads", "discard_weight_grads"):
+            discard = getattr(model, name, None)
+            if discard is not None:  # gradients of a warmup step not yet flushed (an even step's embeddings)
+                discard()
         recipe.sync_to(0)
         torch.manual_seed(cfg.train.seed)
         _sync(device)

@@ -365,3 +365,27 @@ def test_mlp_delayed_input_scaling_at_record_shapes(mode):
         for got, want in ((xk.grad, xs.grad), (w1k.grad, w1s.grad), (w2k.grad, w2s.grad)):
             assert rel(got, want) < (0.12 if mode == "fp8_full" else 8e-2)
         assert state.x_amax == x.float().abs().max()
+
+
+def test_bank_gradient_accumulates_in_the_gemm_at_record_shapes():
+    """model.mlp_weight_grad=accumulate's GEMMs at a record layer's slot ((3072, 768) from T = 8192
+    tokens, bf16): the first product overwrites a NaN-poisoned slot (beta = 0 never reads it), the
+    next three add inside the GEMM (beta = 1), and the sum is within bf16 of the fp32 sum."""
+    from speedrun.model.bank_grad import MLPBankGradAccumulator
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    bank = torch.nn.Parameter(torch.zeros(2, 2, H, D, device=DEV, dtype=torch.bfloat16))
+    acc = MLPBankGradAccumulator(bank)
+    acc._buffer().fill_(float("nan"))
+    ops = [(torch.randn(T, H, device=DEV, generator=g).bfloat16().t(),
+            torch.randn(T, D, device=DEV, generator=g).bfloat16()) for _ in range(4)]
+    for a, b in ops:
+        acc.add_product(1, 0, a, b)
+    acc.buffer[0].zero_()
+    acc.buffer[1, 1].zero_()
+    acc.flush()
+    exact = sum(a.float() @ b.float() for a, b in ops)
+    got = bank.grad[1, 0].float()
+    assert torch.isfinite(got).all()
+    rel = (got - exact).norm() / exact.norm()
+    assert rel < 1e-2, rel.item()

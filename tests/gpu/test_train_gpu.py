@@ -57,6 +57,8 @@ def test_record_code_path_trains_on_gpu(tmp_path, switches):
     ["model.kernels=fp8", "model.qkv_path=reference", "model.mlp_input_quant=graph"],
     # the embedding rows looked up inside the compiled network (model.embedding_grad=atomic_graph)
     ["model.kernels=fp8", "model.qkv_path=reference", "model.embedding_grad=atomic_graph"],
+    # the MLP bank's gradient summed in place by beta=1 GEMMs, the gate GEMMs padded
+    ["model.kernels=fp8", "model.qkv_path=reference", "model.mlp_weight_grad=accumulate", "model.gate_gemm_align=8"],
 ])
 def test_record_code_path_compiles_whole_and_trains_on_gpu(tmp_path, switches):
     """Compiled (one graph per shape, fused kernels as opaque ops): trains, and the warmup compiled
