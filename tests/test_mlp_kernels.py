@@ -476,7 +476,7 @@ def test_fused_mlp_hook_returns_the_banks_layout_without_a_copy(mode):
     hook = FusedMLP(mode)
     ctx = KernelCtx()
     y = hook._forward(ctx, [x, w1, w_proj], 0, 0)[0]
-    dx, dw1, dw_proj = hook._backward(ctx, [gy])
+    dx, dw1, dw_proj = hook._backward(ctx, [gy], 0)
     assert dw_proj.shape == w_proj.shape and dw_proj.is_contiguous()
     ref = _reference(x, w1, w2, gy)
     bound = {"bf16": 1e-2, "fp8_fwd": 8e-2, "fp8_full": 0.12}[mode]  # as test_mlp_forward_backward_vs_reference
