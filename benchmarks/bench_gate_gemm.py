@@ -12,6 +12,11 @@ micro-batch has them.  Arms are interleaved (``--reps`` rounds of ``triton.testi
 prints medians, the ratio padded / unpadded, the byte floor at ``--copy-tbps``, and each arm's
 GEMM kernel names (torch.profiler).  Writes ``$OUT/bench_gate_gemm.json``.
 
+Caveat (twenty-fourth session, H200): each round issues ~40 small kernels per arm from the host,
+and the medians (~4-5 ms) were 17x the byte floor with a 30% IQR: the timing is launch-bound and
+does not carry over to a compiled stage-3 step, where the GPU trails the host.  Read the kernel
+names (which GEMMs each arm gets); time the switch in ``speedrun bench step`` arms.
+
 Usage: ``python benchmarks/bench_gate_gemm.py [--tokens 49152] [--reps 7]``.
 """
 
@@ -51,7 +56,7 @@ def gemm_kernels(step) -> list[str]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    names = {e.key for e in prof.key_averages() if "gemm" in e.key.lower() or "cutlass" in e.key.lower()}
+    names = {e.key for e in prof.key_averages() if any(w in e.key.lower() for w in ("gemm", "cutlass", "nvjet", "sm90"))}
     return sorted(names)
 
 

@@ -350,6 +350,10 @@ def record() -> RunConfig:
         model=ModelConfig(
             vocab_size=50257, num_layers=11, model_dim=768, num_heads=6, qk_head_dim=128, v_head_dim=128,
             architecture="record", kernels="fp8", embedding_grad="atomic",
+            # the MLP input quantised in the compiled graph (upstream's arithmetic), the MLP bank's
+            # gradient summed in place, the MUDD / gate GEMMs aligned: on for the run that measured
+            # 0.9968 of upstream f411b3d per stage-3 step (docs/perf-notes.md, twenty-fourth session)
+            mlp_input_quant="graph", mlp_weight_grad="accumulate", gate_gemm_align=8,
         ),
         data=DataConfig(
             source="shards", tokenizer="gpt2", bos_id=50256,
@@ -399,6 +403,9 @@ def candidate() -> RunConfig:
     cfg.model.kernels = "fp8_full"
     cfg.model.fp8_input_scaling = "delayed"
     cfg.model.qk_prep_fp8_grad = True
+    # the record's MLP switches need its bf16-gradient FP8 MLP with current input scaling
+    cfg.model.mlp_input_quant = "kernel"
+    cfg.model.mlp_weight_grad = "autograd"
     cfg.train.num_extension = 45
     cfg.train.steps = 1315
     return cfg

@@ -113,6 +113,12 @@ def test_candidate_preset_is_record_plus_switches():
     assert cand.train.optimizer_compile and rec.train.optimizer_compile and not preset("tiny-record").train.optimizer_compile
     assert (cand.train.steps, cand.train.num_extension) == (1315, 45)
     assert (rec.train.steps, rec.train.num_extension) == (1285, 15)
+    # the record's MLP switches (its FP8-forward MLP only); the exact gate padding in both arms
+    assert (rec.model.mlp_input_quant, rec.model.mlp_weight_grad) == ("graph", "accumulate")
+    assert (cand.model.mlp_input_quant, cand.model.mlp_weight_grad) == ("kernel", "autograd")
+    assert rec.model.gate_gemm_align == cand.model.gate_gemm_align == 8
+    rec.model.validate()
+    cand.model.validate()
     assert cand.model.model_dim == rec.model.model_dim == cand.model.num_heads * cand.model.v_head_dim
 
 
