@@ -41,10 +41,9 @@ def _compiled(model):
 def test_compiled_record_network_equals_eager(qkv_path, kernels, switches):
     """Baseline (reference, the record's FP8 MLP, its input quantised in the graph, the embedding
     rows' gradients accumulated in place, looked up before or inside the network, the MLP bank's
-    gradient summed in place) and candidate
-    switches: loss, every gradient (the accumulated embedding gradients flushed) and the no-grad
-    evaluation forward equal the eager model's, over two steps (the second uses the delayed FP8
-    scales the first measured)."""
+    gradient summed in place) and candidate switches: loss, every gradient (the accumulated
+    gradients flushed) and the no-grad evaluation forward equal the eager model's, over two steps
+    (the second uses the delayed FP8 scales the first measured)."""
     torch._dynamo.reset()
     _, eager = _pair(qkv_path, kernels, **switches)
     if qkv_path != "reference":  # the GPU's case: a backend that wants Q/K at V's width (varlen, FA3)
