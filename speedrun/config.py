@@ -24,6 +24,7 @@ from speedrun.errors import ConfigError
 CE_SIGMOID_CHOICES = ("exact", "tanh")
 # train.ce_grad_layout's values (speedrun.kernels.cross_entropy.GRAD_LAYOUT)
 CE_GRAD_LAYOUT_CHOICES = ("transpose", "dual")
+CUDA_GRAPHS_CHOICES = ("auto", "on", "off")
 
 
 @dataclass
@@ -243,6 +244,12 @@ class TrainConfig:
     # stalls the host for tens to hundreds of ms in a random step; speedrun.train.collector).
     # Process-wide: in `speedrun bench step` every arm must agree.
     gc_freeze: bool = True
+    # Each step's micro-batches (forward + backward) replayed as one CUDA graph per step key
+    # (speedrun.train.graphs): "auto" (on CUDA), "on" (CUDA only) or "off" (the eager loop).
+    cuda_graphs: str = "auto"
+    # Compare each graph's first replay with an eager run of the same micro-batches (outside the
+    # clock); a mismatch stops the run.
+    cuda_graph_check: bool = True
     val_every: int = 50
     val_tokens: int = 32768
     # Tokens of each rank's validation batch (contiguous text, cut into documents at BOS; a

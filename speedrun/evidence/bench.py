@@ -80,6 +80,7 @@ class Session:
     step_peak_bytes: int = 0  # max over timed steps of (peak during the step - allocated at its start)
     host_steps: list = field(default_factory=list)  # speedrun.evidence.host.StepTrace per traced step
     syncs: list | None = None  # synchronising calls of one step (find_syncs), None when not scanned
+    graphs: Any = None  # speedrun.train.graphs.StepGraphs with train.cuda_graphs, as train() runs
 
     @property
     def optimizer(self):
@@ -94,7 +95,7 @@ class Session:
         span = max(1, self.stage_end - self.stage.start_step)
         step = self.stage.start_step + self.count % span
         loss = run_step(self.run_model, self.recipe, self.loader, step, self.cfg, self.info, self.dtype,
-                        on_phase=on_phase)
+                        on_phase=on_phase, graphs=self.graphs)
         self.count += 1
         return loss
 
@@ -107,6 +108,7 @@ def build_session(name: str, cfg: RunConfig, stage_index: int, info) -> Session:
     the way :func:`speedrun.train.loop.train` builds them."""
     from speedrun.data import TrainLoader
     from speedrun.model import build_model
+    from speedrun.train.graphs import StepGraphs, graphs_enabled
     from speedrun.train.loop import compile_model, configure_kernel_launch, micro_batching, resolve_data
     from speedrun.train.recipes import build_recipe
 
@@ -137,7 +139,10 @@ def build_session(name: str, cfg: RunConfig, stage_index: int, info) -> Session:
                          bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size,
                          max_docs=cfg.train.max_docs or None, device=device,
                          bigram_mod=getattr(model, "bigram_mod", None), merge=plan.merge)
-    return Session(name, cfg, stage, stage_end, model, run_model, recipe, loader, info, dtype)
+    graphs = None
+    if graphs_enabled(cfg.train.cuda_graphs, device):
+        graphs = StepGraphs(run_model, recipe, device, dtype, check=cfg.train.cuda_graph_check)
+    return Session(name, cfg, stage, stage_end, model, run_model, recipe, loader, info, dtype, graphs=graphs)
 
 
 class MemoryMeter:
@@ -319,6 +324,8 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
     if len(freezes) > 1:
         raise ConfigError("train.gc_freeze is process-wide: every arm of one bench must use the same value, got "
                           + ", ".join(f"{n}={cfg.train.gc_freeze}" for n, cfg, _ in configs))
+    from speedrun.train.graphs import STEPS_UNTIL_REPLAY
+
     info = distributed.setup(configs[0][1].train.device)
     meter = MemoryMeter(info.device)
     collections, frozen = CollectionMeter(), 0
@@ -331,7 +338,8 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
             sessions[-1].resident_bytes = meter.allocated() - before
         for s in sessions:
             before = meter.allocated()
-            for _ in range(warmup):
+            # with CUDA graphs, enough steps that every step key of the stage is captured
+            for _ in range(max(warmup, STEPS_UNTIL_REPLAY) if s.graphs is not None else warmup):
                 s.step()
             distributed.barrier(info)
             s.resident_bytes += meter.allocated() - before  # optimizer state, FP8 caches, grads kept
@@ -428,6 +436,8 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
                     entry["host"] = summarize_traces(s.host_steps)
                 if s.syncs is not None:
                     entry["syncs"] = s.syncs
+                if s.graphs is not None:  # captures, replays and self-check errors (train.cuda_graphs)
+                    entry["cuda_graphs"] = s.graphs.summary()
             if name != base:
                 entry["vs_" + base] = bootstrap_ratio_ci(times[base], times[name], n_boot=n_boot, seed=seed)
             out_arms.append(entry)
@@ -506,6 +516,12 @@ def render_table(result: dict[str, Any]) -> str:
     lines += _render_clocks(result)
     lines += _render_collections(result)
     lines += _render_host(result)
+    for a in result["arms"]:
+        g = a.get("cuda_graphs")
+        if g:
+            lines.append(f"cuda graphs, {a['name']}: {g['replayed_steps']} steps replayed, {g['eager_steps']} eager, "
+                         f"{g['captures']} captured, worst self-check relative error {g['check_worst_rel_err']:.2g}"
+                         + "".join(f"; {c}" for c in g["key_changes"]))
     for w in result["warnings"]:
         lines.append(f"warning: {w}")
     return "\n".join(lines) + "\n"

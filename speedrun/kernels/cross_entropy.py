@@ -929,12 +929,22 @@ class HeadFP8Weight:
     scale: float
 
 
-def quantize_head_weight(weight: torch.Tensor, w_scale: float = W_SCALE) -> HeadFP8Weight:
+def quantize_head_weight(weight: torch.Tensor, w_scale: float = W_SCALE,
+                         out: HeadFP8Weight | None = None) -> HeadFP8Weight:
     """Quantise the head weight (D, V_pad) once, in both layouts, exactly as the FP8 head's forward
     does per call.  The model caches it per optimizer update: 8 micro-batches then quantise the
-    (768, 50304) weight once instead of 8 times (4 passes over it each)."""
+    (768, 50304) weight once instead of 8 times (4 passes over it each).  ``out``: a previous
+    result of the same shape and scale, rewritten in place and returned (its tensors keep their
+    addresses, as code captured in a CUDA graph needs)."""
     w_f8 = quantize_tensorwise(weight.detach(), float(w_scale), torch.float8_e4m3fn)
-    return HeadFP8Weight(w_f8, w_f8.t().contiguous().t(), float(w_scale))
+    if out is None:
+        return HeadFP8Weight(w_f8, w_f8.t().contiguous().t(), float(w_scale))
+    if out.data.shape != w_f8.shape or out.scale != float(w_scale):
+        raise ValueError(f"quantize_head_weight: out holds a {tuple(out.data.shape)} weight at scale {out.scale}, "
+                         f"asked for {tuple(w_f8.shape)} at {float(w_scale)}")
+    out.data.copy_(w_f8)
+    out.data_cm.copy_(w_f8)  # a column-major view: copy_ writes through its strides
+    return out
 
 
 _SCALE_TENSORS: dict[tuple[float, torch.device], torch.Tensor] = {}

@@ -592,6 +592,20 @@ INPUT_HEADROOM = 1.5
 INPUT_SCALINGS = ("current", "delayed")
 
 
+class StepScale:
+    """One slot's step scale ``max(amax, 1e-12) * factor`` (0-d fp32) in a tensor whose address
+    never changes, and the amax version it was computed from."""
+
+    def __init__(self, amax: torch.Tensor, factor: float, scale: torch.Tensor):
+        self.amax, self.factor, self.scale = amax, float(factor), scale
+        self.version = amax._version
+
+    def update(self) -> None:
+        """Recompute in place (the same arithmetic as :func:`headroom_scale`)."""
+        torch.mul(self.amax.clamp_min(AMAX_FLOOR), self.factor, out=self.scale)
+        self.version = self.amax._version
+
+
 @dataclass(kw_only=True)
 class InputScaling:
     """FP8 scaling of one layer's activation input ``x`` (e4m3) and output gradient ``g`` (e5m2),
@@ -623,23 +637,44 @@ class InputScaling:
         if self.input_scaling not in INPUT_SCALINGS:
             raise ValueError(f"input_scaling must be one of {INPUT_SCALINGS}, got {self.input_scaling!r}")
         self.used: set[str] = set()  # slots that accumulated since the last step end (not a field)
-        # slot -> (amax tensor, its version, scale): the step's scale, made once (not a field)
-        self._step_scales: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        # slot -> StepScale: the step's scale, one persistent tensor per slot (not a field)
+        self._step_scales: dict[str, StepScale] = {}
         self._handoff: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see hand_over_g
         self.handoffs_taken = 0  # output gradients whose quantisation a producer's epilogue did
 
-    def step_scale(self, slot: str, headroom: float, fmax: float) -> torch.Tensor:
+    def slot_scaling(self, slot: str) -> tuple[float, float]:
+        """(headroom, FP8 maximum) of ``slot``'s delayed scale."""
+        if slot in ("x", "g"):
+            return self.input_headroom, FP8_MAX[E4M3 if slot == "x" else E5M2]
+        raise KeyError(f"{type(self).__name__} has no scale slot {slot!r}")
+
+    def step_scale(self, slot: str) -> torch.Tensor:
         """The scale of ``slot`` for this step, ``max(<slot>_amax, 1e-12) * headroom / fmax`` (0-d
-        fp32).  The amax is fixed through a step, so the two small kernels that compute the scale
-        run once per step instead of once per call: the result is kept until the amax tensor is
-        replaced or changed in place (its version counter moves, as :func:`end_fp8_step`'s copy does)."""
+        fp32, :meth:`slot_scaling`).  The amax is fixed through a step, so the two small kernels
+        that compute the scale run once per step instead of once per call, into one tensor per
+        slot that keeps its address for the whole run: :func:`end_fp8_step` makes it when the slot
+        becomes ready and rewrites it in place whenever it moves the amax, so code captured in a
+        CUDA graph reads each step's scale without running this method again.  A scale whose
+        amax was replaced or changed by anything else is recomputed here (in place)."""
         amax = getattr(self, f"{slot}_amax")
-        hit = self._step_scales.get(slot)
-        if hit is not None and hit[0] is amax and hit[1] == amax._version:
-            return hit[2]
-        scale = headroom_scale(amax, headroom, fmax)
-        self._step_scales[slot] = (amax, amax._version, scale)
-        return scale
+        entry = self._step_scales.get(slot)
+        if entry is None or entry.amax is not amax:
+            headroom, fmax = self.slot_scaling(slot)
+            entry = self._step_scales[slot] = StepScale(amax, headroom / fmax, headroom_scale(amax, headroom, fmax))
+        elif entry.version != amax._version:
+            entry.update()
+        return entry.scale
+
+    def host_state(self) -> dict:
+        """The Python-side bookkeeping a training micro-batch changes (slots used, the pending
+        gradient handover, counters), as a copy: :mod:`speedrun.train.graphs` sets it back after
+        replaying a captured step, whose Python never runs."""
+        return {"used": set(self.used), "_handoff": self._handoff, "handoffs_taken": self.handoffs_taken,
+                "_step_scales": dict(self._step_scales)}
+
+    def set_host_state(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value.copy() if isinstance(value, (set, dict)) else value)
 
     def state_dict(self) -> dict:
         """Every field (a subclass's too), tensors detached and cloned: a checkpoint's view."""
@@ -666,7 +701,7 @@ class InputScaling:
         scale of a call before the first step end depends on that call's own amax)."""
         if self.input_scaling != "delayed" or not self.g_ready:
             return None
-        return self.step_scale("g", self.input_headroom, FP8_MAX[E5M2]), self.accumulator("g", device)
+        return self.step_scale("g"), self.accumulator("g", device)
 
     def hand_over_g(self, g: torch.Tensor, g_fp8: torch.Tensor, scale: torch.Tensor) -> None:
         """Leave ``g_fp8`` (row-major e5m2 of ``g``, quantised with ``scale`` from
@@ -695,7 +730,7 @@ class InputScaling:
             amax = abs_max(t)  # before the first step end: current scaling, and its amax counts
             torch.maximum(acc, amax, out=acc)
             return _quantize_from_amax(t, amax, fp8_dtype, transposed)
-        scale = self.step_scale(which, self.input_headroom, FP8_MAX[fp8_dtype])
+        scale = self.step_scale(which)
         q, qt = quantize_delayed(t, scale, acc, fp8_dtype=fp8_dtype, transposed=transposed)
         return q, qt, scale
 
@@ -732,6 +767,20 @@ def end_fp8_step(states: Sequence[InputScaling]) -> None:
     # Two multi-tensor kernels for all slots, not two small kernels per slot.
     torch._foreach_copy_([getattr(st, f"{slot}_amax") for st, slot in slots], list(stacked.unbind()))
     torch._foreach_zero_(accs)
+    # The next step's scales, in place (their tensors keep their addresses: see step_scale); a
+    # slot's first scale is made here, not by the first forward that reads it.
+    entries = []
+    for st, slot in slots:
+        e = st._step_scales.get(slot)
+        if e is None or e.amax is not getattr(st, f"{slot}_amax"):
+            st.step_scale(slot)
+        else:
+            entries.append(e)
+    if entries:
+        clamped = torch._foreach_clamp_min([e.amax for e in entries], AMAX_FLOOR)
+        torch._foreach_copy_([e.scale for e in entries], torch._foreach_mul(clamped, [e.factor for e in entries]))
+        for e in entries:
+            e.version = e.amax._version
 
 
 def quantize_current_reference(
@@ -857,15 +906,25 @@ class FP8WeightCache:
                 scale = headroom_scale(self._amax[name], self.headroom, fmax)
             out = prev.data if prev is not None else None
             out_t = prev.data_t if prev is not None else None
-            amax = torch.zeros(tuple(w.shape[:-2]), dtype=torch.float32, device=w.device)
+            amax = self._amax.get(name) if prev is not None else None
+            amax = amax.zero_() if amax is not None else torch.zeros(tuple(w.shape[:-2]), dtype=torch.float32,
+                                                                     device=w.device)
             q, qt, amax = quantize_dual_layout(w.detach(), scale, fp8_dtype=self.fp8_dtype, out=out, out_t=out_t, amax=amax)
             m = multipliers.get(name)
             deq = scale if m is None else scale * (m.detach().float() if isinstance(m, torch.Tensor) else float(m))
-            if deq.dim() == 1:
+            # Every tensor an entry holds keeps its address from one refresh to the next (written
+            # in place), so code captured in a CUDA graph reads the current update's values.
+            if prev is not None and prev.scale.shape == deq.shape:
+                deq = prev.scale.copy_(deq)
+            elif deq.dim() == 1:
                 # One 16-byte slot per matrix: cuBLASLt wants each 0-d scale view 16-byte aligned.
                 slots = torch.zeros((deq.shape[0], 4), dtype=torch.float32, device=deq.device)
                 slots[:, 0] = deq
                 deq = slots[:, 0]
+            else:
+                deq = deq.clone()  # never an alias of the raw scale below
+            raw = self._raw_scale.get(name)
+            scale = raw.copy_(scale) if raw is not None and raw.shape == scale.shape else scale.clone()
             self._entries[name] = FP8Weight(q, qt, deq, self.version + 1)
             self._amax[name] = amax
             self._raw_scale[name] = scale

@@ -766,18 +766,25 @@ class MLPScaleState(InputScaling):
         z = lambda: torch.zeros((), dtype=torch.float32, device=device)  # noqa: E731
         return cls(post_amax=z(), dpre_amax=z(), **kwargs)
 
+    def slot_scaling(self, slot: str) -> tuple[float, float]:
+        if slot == "post":
+            return self.post_headroom, FP8_MAX[E4M3]
+        if slot == "dpre":
+            return self.dpre_headroom, FP8_MAX[E5M2]
+        return super().slot_scaling(slot)
+
     def post_scale(self, amax: torch.Tensor | None = None) -> torch.Tensor:
         """The post scale from ``amax`` (default: the step's :attr:`post_amax`, computed once per
         step) and the headroom."""
         if amax is None:
-            return self.step_scale("post", self.post_headroom, FP8_MAX[E4M3])
+            return self.step_scale("post")
         return headroom_scale(amax, self.post_headroom, FP8_MAX[E4M3])
 
     def dpre_scale(self, amax: torch.Tensor | None = None) -> torch.Tensor:
         """The dpre scale from ``amax`` (default: the step's :attr:`dpre_amax`, computed once per
         step) and the headroom."""
         if amax is None:
-            return self.step_scale("dpre", self.dpre_headroom, FP8_MAX[E5M2])
+            return self.step_scale("dpre")
         return headroom_scale(amax, self.dpre_headroom, FP8_MAX[E5M2])
 
 

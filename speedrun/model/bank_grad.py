@@ -63,6 +63,13 @@ class MLPBankGradAccumulator:
     def pending(self) -> bool:
         return bool(self._written)
 
+    def host_state(self) -> tuple[frozenset, frozenset]:
+        """The slots written since the last flush and ever (a copy; see :mod:`speedrun.train.graphs`)."""
+        return frozenset(self._written), frozenset(self._ever)
+
+    def set_host_state(self, state: tuple[frozenset, frozenset]) -> None:
+        self._written, self._ever = set(state[0]), set(state[1])
+
     def flush(self) -> None:
         """Hand the step's sums to ``bank.grad`` and start a new step.  A slot written by an
         earlier step but not by this one is zeroed first (its old sum is no gradient of this step)."""

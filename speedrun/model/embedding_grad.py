@@ -146,6 +146,13 @@ class EmbeddingGradAccumulator:
         have added to the accumulators)."""
         return self._pending
 
+    def host_state(self) -> tuple[bool, dict]:
+        """Whether sums are pending and the prepared tables (a copy; see :mod:`speedrun.train.graphs`)."""
+        return self._pending, dict(self._by_name)
+
+    def set_host_state(self, state: tuple[bool, dict]) -> None:
+        self._pending, self._by_name = state[0], dict(state[1])
+
     @torch.no_grad()
     def flush(self) -> None:
         """``weight.grad += acc`` (fp32 sum, one rounding to the parameter's dtype) for every

@@ -44,9 +44,13 @@ class FusedHead:
         x = h.to(dtype).contiguous()
         w = lm_head.to(dtype).contiguous()
         cached = self.fp8_weight() if (self.use_fp8 and self.fp8_weight is not None) else None
-        return fused_softcapped_ce(x, w, targets, tuple(float(m) for m in mtp_weights), prefix_targets,
-                                   float(prefix_weight), use_fp8=self.use_fp8, vocab_size=None, softcap=softcap,
-                                   fp8_weight=cached)
+        # Device tensors pass through (a CUDA-graph step reads each step's weights from a buffer).
+        if not isinstance(mtp_weights, torch.Tensor):
+            mtp_weights = tuple(float(m) for m in mtp_weights)
+        if not isinstance(prefix_weight, torch.Tensor):
+            prefix_weight = float(prefix_weight)
+        return fused_softcapped_ce(x, w, targets, mtp_weights, prefix_targets, prefix_weight, use_fp8=self.use_fp8,
+                                   vocab_size=None, softcap=softcap, fp8_weight=cached)
 
 
 class FusedMLP:

@@ -558,7 +558,8 @@ class RecordGPT(nn.Module):
 
             # As FusedHead feeds the head: bf16, so the cached bits equal a per-call quantisation.
             w = self.lm_head.to(torch.bfloat16).contiguous()
-            self._head_fp8 = (quantize_head_weight(w, W_SCALE), self.lm_head._version)
+            prev = self._head_fp8[0] if self._head_fp8 is not None else None
+            self._head_fp8 = (quantize_head_weight(w, W_SCALE, out=prev), self.lm_head._version)
         if self.cfg.qkv_path == "fused_fp8":
             from speedrun.kernels.qkv_pack import delayed_scale, pack_qkv_fp8
 
@@ -570,8 +571,13 @@ class RecordGPT(nn.Module):
                     scale = self._qkv_replay.pop(j)
                 else:
                     scale = None if prev is None else delayed_scale(prev.amax)
-                self._qkv_fp8[j] = pack_qkv_fp8(self.qk_bank[j * H : (j + 1) * H], self.vo_bank[2 * j],
-                                                self.scalars[2 * i], num_heads=H, scale=scale)
+                packed = pack_qkv_fp8(self.qk_bank[j * H : (j + 1) * H], self.vo_bank[2 * j], self.scalars[2 * i],
+                                      num_heads=H, scale=scale, out=None if prev is None else (prev.data, prev.data_t))
+                if prev is not None:  # every tensor keeps its address (CUDA graphs read them)
+                    for name in ("scale", "raw_scale", "amax"):
+                        getattr(prev, name).copy_(getattr(packed, name))
+                    packed = prev
+                self._qkv_fp8[j] = packed
             self._qkv_fp8_versions = self._qkv_sources_version()
 
     def _fp8_scale_states(self) -> list:
@@ -610,6 +616,41 @@ class RecordGPT(nn.Module):
             from speedrun.kernels.fp8_cache import end_fp8_step
 
             end_fp8_step(states)
+
+    # ------------------------------------------------------------------------------------------
+    # CUDA-graph capture (speedrun.train.graphs)
+
+    def graph_signature(self) -> tuple:
+        """What decides which kernels a training micro-batch launches besides its shapes and
+        arguments: the FP8 scales' readiness (current scaling until a slot's first step end,
+        then delayed) and which per-update caches exist.  A captured step is replayed only
+        while this is unchanged."""
+        states = tuple((type(st).__name__, st.input_scaling, st.x_ready, st.g_ready,
+                        getattr(st, "post_ready", None), getattr(st, "dpre_ready", None))
+                       for st in self._fp8_scale_states())
+        return (self.training, states, self._mlp_fp8 is not None, self._head_fp8 is not None,
+                tuple(sorted(self._qkv_fp8)))
+
+    def graph_host_state(self) -> dict:
+        """The Python-side bookkeeping a training micro-batch changes (accumulators' pending
+        flags, the FP8 scales' used slots), as a copy that :meth:`set_graph_host_state` restores."""
+        return {
+            "embedding": None if self._embedding_grads is None else self._embedding_grads.host_state(),
+            "bank": None if self._mlp_weight_grads is None else self._mlp_weight_grads.host_state(),
+            "scales": [st.host_state() for st in self._fp8_scale_states()],
+        }
+
+    def set_graph_host_state(self, state: dict) -> None:
+        if state["embedding"] is not None:
+            self._embedding_grads.set_host_state(state["embedding"])
+        if state["bank"] is not None:
+            self._mlp_weight_grads.set_host_state(state["bank"])
+        states = self._fp8_scale_states()
+        if len(states) != len(state["scales"]):
+            raise RuntimeError(f"set_graph_host_state: {len(state['scales'])} FP8 scale states saved, the model "
+                               f"has {len(states)}")
+        for st, saved in zip(states, state["scales"]):
+            st.set_host_state(saved)
 
     def discard_fp8_step(self) -> None:
         """Drop the amaxes accumulated since the last step end (an evaluation's)."""

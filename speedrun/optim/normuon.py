@@ -605,8 +605,9 @@ class NorMuonAndAdam:
         for e in self.entries.values():
             if e.spec.optim == "normuon" or do_adam:
                 e.param.grad = None
-        if do_adam:
-            self._touched.clear()
+        if do_adam:  # zeroed in place, not dropped: a captured step marks rows into these tensors
+            for rows in self._touched.values():
+                rows.zero_()
         if settings is not None and getattr(settings, "untie", False) and self.tied and not self.split_embed:
             self.untie()
 

@@ -8,6 +8,7 @@ synchronize) around validation, checkpointing and logging that needs host values
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import glob
@@ -27,7 +28,9 @@ from speedrun.errors import ConfigError, DataError
 from speedrun.model import build_model
 from speedrun.model.interface import ForwardArgs
 from speedrun.train.checkpoint import load_latest, load_rank_state, save_checkpoint, save_rank_state
+from speedrun.train import microbatch
 from speedrun.train.collector import freeze_long_lived, thaw
+from speedrun.train.graphs import StepGraphs, graphs_enabled
 from speedrun.train.recipes import build_recipe
 from speedrun.train.runlog import RunLog, environment_lines, new_run_dir, step_line, val_line
 
@@ -153,23 +156,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _autocast(device: torch.device, dtype: torch.dtype):
-    if dtype == torch.float32:
-        return torch.autocast(device.type, enabled=False)
-    return torch.autocast(device.type, dtype=dtype)
-
-
 STEP_PHASES = ("setup", "data", "forward", "backward", "after_backward", "grad_reduce", "optimizer", "fp8_step_end")
 
 
 def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
-             on_phase: Callable[[str], None] | None = None) -> torch.Tensor:
+             on_phase: Callable[[str], None] | None = None, graphs=None) -> torch.Tensor:
     """One optimizer step of ``recipe`` over the configured micro-batches.
 
     Returns this rank's mean training loss as a device scalar (reading it would synchronize).
     ``on_phase``: called with ``"start"`` first, then with each phase of :data:`STEP_PHASES` as
-    the host finishes issuing it (the micro-batch phases once per micro-batch); see
-    :class:`speedrun.evidence.host.PhaseRecorder`."""
+    the host finishes issuing it (the micro-batch phases once per micro-batch, or once per step
+    when ``graphs`` replays them); see :class:`speedrun.evidence.host.PhaseRecorder`.
+    ``graphs``: a :class:`speedrun.train.graphs.StepGraphs` that captures and replays the
+    micro-batch loop (None: the eager loop)."""
     from speedrun.kernels import opaque
 
     mark = on_phase or (lambda _: None)
@@ -183,19 +182,16 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
     # over the accumulation count (upstream's loss.sum() * grad_scale), i.e. each micro-batch's
     # mean times `unit` tokens; merged micro-batches give the same.
     unit = mb.chunk if recipe.loss_reduction == "sum" else 1
-    total = torch.zeros((), device=info.device)
     mark("setup")
-    for _ in range(accum):
-        batch = loader.next_batch()
+    if graphs is None:
+        total = microbatch.accumulate(model, recipe, microbatch.micro_batches(loader, accum), args, unit / accum,
+                                      info.device, dtype, mark)
+    else:
+        batches = list(microbatch.micro_batches(loader, accum))
         mark("data")
-        with _autocast(info.device, dtype):
-            loss = model.loss(batch, args) * (unit / accum)
-        mark("forward")
-        loss.backward()
-        mark("backward")
-        recipe.after_backward(batch)
-        total += loss.detach()
-        mark("after_backward")
+        total = graphs.run(batches, args, unit / accum)
+        for phase in ("forward", "backward", "after_backward"):
+            mark(phase)
     flush_weights = getattr(model, "flush_weight_grads", None)
     if flush_weights is not None:  # the MLP bank's, summed in place (model.mlp_weight_grad)
         flush_weights()
@@ -246,7 +242,7 @@ def evaluate(model, val_files, cfg: RunConfig, info, dtype, per_rank: int, args:
     loss_sum = torch.zeros((), device=info.device, dtype=torch.float64)
     count = 0
     for batch in loader:
-        with _autocast(info.device, dtype):
+        with microbatch.autocast(info.device, dtype):
             losses = model.per_token_loss(batch, args)
         loss_sum += losses.double().sum()
         count += losses.numel()
@@ -393,6 +389,35 @@ def _fmt_eta(seconds: float) -> str:
         return "?"
     m, s = divmod(int(seconds), 60)
     return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+class Clock:
+    """The timed region's host clock.  ``start()`` restarts it after a device sync; ``pause()``
+    is a context that stops it (synchronised on both sides) for work that is not training, such
+    as capturing a CUDA graph and checking it.  ``window_start``: when the current logging window
+    began, moved by pauses like ``t0``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.t0 = self.window_start = 0.0
+        self.paused_s = 0.0
+
+    def start(self) -> None:
+        _sync(self.device)
+        self.t0 = self.window_start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def pause(self):
+        _sync(self.device)
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            _sync(self.device)
+            held = time.perf_counter() - began
+            self.t0 += held
+            self.window_start += held
+            self.paused_s += held
 
 
 # ----------------------------------------------------------------------------------------------
@@ -595,10 +620,13 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     frozen = freeze_long_lived() if cfg.train.gc_freeze else 0
     if frozen:
         log.print(f"gc: {frozen:,} objects frozen before the timed region (train.gc_freeze)", console=False)
-    _sync(device)
-    t0 = time.perf_counter()
+    clock = Clock(device)
+    graphs = None
+    if graphs_enabled(cfg.train.cuda_graphs, device):
+        graphs = StepGraphs(run_model, recipe, device, dtype, pause=clock.pause, check=cfg.train.cuda_graph_check)
+    clock.start()
     recipe.on_clock_start()
-    window_start, window_steps = t0, 0
+    window_steps = 0
     loss_acc = torch.zeros((), device=device)
     step_ms: dict[int, list[float]] = {i: [] for i in range(len(stages))}
     try:  # the heap is thawed however the loop ends
@@ -607,7 +635,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
             if si != stage_index:
                 stage_index = si
                 set_loader_shape(si)
-            loss_acc += run_step(run_model, recipe, loader, step, cfg, info, dtype)
+            loss_acc += run_step(run_model, recipe, loader, step, cfg, info, dtype, graphs=graphs)
             window_steps += 1
             done = step + 1
             is_last = done == total_steps
@@ -618,13 +646,13 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
             if want_log or want_val or want_ckpt:
                 _sync(device)
                 now = time.perf_counter()
-                train_ms += (now - t0) * 1000
+                train_ms += (now - clock.t0) * 1000
                 step_avg = train_ms / done
                 if window_steps == 1:  # one step since the clock last started: its own time
-                    step_ms[si].append((now - t0) * 1000)
+                    step_ms[si].append((now - clock.t0) * 1000)
                 if want_log:
                     mean_loss = loss_acc.item() / window_steps
-                    tok_s = window_steps * stages[si].batch_tokens / max(now - window_start, 1e-9)
+                    tok_s = window_steps * stages[si].batch_tokens / max(now - clock.window_start, 1e-9)
                     eta = (total_steps - done) * step_avg / 1000
                     log.print(step_line(done, total_steps, train_ms, step_avg), console=False)
                     log.metric(event="train", step=done, loss=mean_loss, train_time_ms=train_ms, tokens_per_s=tok_s)
@@ -640,9 +668,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
                 if done == stop_after and not is_last:
                     stopped = True
                     break
-                _sync(device)
-                t0 = time.perf_counter()
-                window_start = t0
+                clock.start()
     finally:
         if frozen:
             thaw()
@@ -657,10 +683,19 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         log.metric(event="recompiles", count=recompiles)
     for line in stage_time_lines(step_ms, stages, cfg):
         log.print(line)
+    if graphs is not None:
+        summary = graphs.summary()
+        log.print(f"cuda graphs: {summary['replayed_steps']} steps replayed, {summary['eager_steps']} eager, "
+                  f"{summary['captures']} captured in {summary['capture_s']:.1f}s outside the clock (worst "
+                  f"self-check relative error {summary['check_worst_rel_err']:.2g})"
+                  + "".join(f"; {c}" for c in summary["key_changes"]))
+        log.metric(event="cuda_graphs", **summary)
     sample = ""
     if not stopped and info.is_main:
         if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device) // 2**20
+            # the self-checks' snapshots are not the run's memory: their peaks are left out
+            peak = max(torch.cuda.max_memory_allocated(device),
+                       graphs.stats.peak_allocated if graphs is not None else 0) // 2**20
             reserved = torch.cuda.max_memory_reserved(device) // 2**20
             log.print(f"peak memory allocated: {peak} MiB reserved: {reserved} MiB")
         sample = _sample(model, tokenizer, cfg, device, stages[-1].window_short)
@@ -703,7 +738,7 @@ def _sample(model, tokenizer, cfg: RunConfig, device, window: int | None) -> str
     prompt = [tokenizer.bos_id] + tokenizer.encode(cfg.train.sample_prompt)
     was_training = model.training
     model.eval()
-    with _autocast(device, torch.bfloat16 if device.type == "cuda" else torch.float32):
+    with microbatch.autocast(device, torch.bfloat16 if device.type == "cuda" else torch.float32):
         ids = model.generate(prompt, cfg.train.sample_tokens, generator=g, window=window)
     model.train(was_training)
     return cfg.train.sample_prompt + tokenizer.decode(ids)

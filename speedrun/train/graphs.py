@@ -1,0 +1,545 @@
+"""CUDA graphs of a training step's micro-batches (``train.cuda_graphs``).
+
+Issued op by op, a micro-batch is hundreds of kernel launches plus the Python of the fused
+kernels' wrappers and the FP8 bookkeeping.  Where a micro-batch is small, that host work takes
+longer than the GPU's, and the GPU waits.  Here the whole micro-batch loop of a step (forward and
+backward of each micro-batch, gradients accumulated: :func:`speedrun.train.microbatch.accumulate`)
+is captured once per *step key* into a ``torch.cuda.CUDAGraph`` and replayed: one launch per step.
+What stays eager, between replays: the loader, the copy of each micro-batch into the graph's
+static buffers, the step's loss weights written into a device buffer, and everything after the
+loop (gradient flushes and reduction, optimizer, FP8 step end).
+
+The step key is everything that decides which kernels the loop launches and where they read and
+write: the micro-batches' shapes (tokens, cu_seqlens slots, max_seqlen, bigram ids), their count
+and loss scale, the attention windows, how many MTP weights there are and whether the prefix loss
+runs, which parameters already hold a gradient when the step starts (the record's Adam gradients
+wait across an even step), the model's ``graph_signature()`` (e.g. which FP8 scales are ready)
+and an *address fingerprint*: the data pointer of every tensor reachable from the model and the
+recipe (FP8 weight caches and scales, RoPE tables, accumulators, optimizer state).  A graph reads
+and writes fixed addresses, so the code it captures keeps its state in tensors that are updated
+in place; if one is replaced anyway, the fingerprint changes, and the step runs eagerly (and is
+captured anew when seen again) instead of reading stale or freed memory.
+
+Life of a key: the first time it is seen, the step runs eagerly (the unchanged eager path); the
+second time (1) the loop runs eagerly on the capture stream from a snapshot of everything a
+micro-batch changes (gradients, accumulators, FP8 amax sums: the tensors reachable from the
+model, and the model's host-side bookkeeping), (2) the snapshot is put back, (3) the loop is
+captured, (4) replayed, and (5) with ``train.cuda_graph_check`` the replay's loss and changed
+tensors are compared with the eager run's (:class:`GraphMismatchError` names the key and the
+first tensor outside the tolerance).  After that the key is only replayed.  Capture and check run
+inside ``pause()`` (the training loop stops its clock there).
+
+Gradients: every parameter that receives one gets one buffer for the whole run, allocated outside
+the graphs' memory pool.  A graph whose key had no gradient for a parameter at the step's start
+zeroes its buffer first; one whose key had it accumulates into the buffer (the current gradient
+is copied in first if it lives elsewhere, e.g. after an eager step).  After a replay each such
+parameter's ``.grad`` is its buffer, as after the eager loop, and the model's host-side
+bookkeeping (``set_graph_host_state``) is what the captured loop left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from speedrun.errors import ConfigError, SpeedrunError
+from speedrun.model.interface import ForwardArgs
+from speedrun.train import microbatch
+
+# A key is captured the second time it is seen: the first run is eager (it also fills every cache
+# the capture then finds warm), and a key seen once only (a step whose FP8 scales are not ready
+# yet) costs no capture.
+CAPTURE_ON_SIGHT = 2
+# Steps of one stage before all its keys replay: the first step (no FP8 scale ready yet), then an
+# even and an odd step key, each eager once and captured at its second sight.
+STEPS_UNTIL_REPLAY = 1 + 2 * CAPTURE_ON_SIGHT
+# Relative Frobenius error allowed between the eager run and the replay of the same micro-batches
+# (atomic adds, in the embedding accumulators and attention's backward, sum in another order).
+CHECK_TOLERANCE = 2e-3
+
+
+class GraphMismatchError(SpeedrunError, RuntimeError):
+    """A captured step's replay does not compute what the eager step computes."""
+
+
+def graphs_enabled(setting: str, device: torch.device) -> bool:
+    """Whether ``train.cuda_graphs`` turns graphs on for ``device``."""
+    if setting not in ("auto", "on", "off"):
+        raise ConfigError(f"train.cuda_graphs must be one of auto, on, off, got {setting!r}")
+    if setting == "on" and device.type != "cuda":
+        raise ConfigError(f"train.cuda_graphs=on needs a CUDA device, this run uses {device.type}; "
+                          "use train.cuda_graphs=auto or off")
+    return setting != "off" and device.type == "cuda"
+
+
+# ------------------------------------------------------------------------------------------------
+# What a graph bakes in
+
+
+def reachable_tensors(roots: Sequence[tuple[str, Any]], *, paths: bool = False,
+                      skip_parameters: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor reachable from ``roots`` (name, object) through attributes of nn.Modules and
+    of objects defined in this package, dicts, lists and tuples, in a fixed order.  Tensors are
+    not entered (their ``.grad`` is not included).  ``paths``: name each one (slower; for
+    messages), else the names are "".  ``skip_parameters``: leave out the modules' parameters and
+    registered buffers."""
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, path: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            out.append((path, obj))
+            return
+        if obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.device, torch.dtype)):
+            return
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                visit(v, f"{path}[{k!r}]" if paths else "")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                visit(v, f"{path}[{i}]" if paths else "")
+        elif isinstance(obj, torch.nn.Module):
+            for name, v in vars(obj).items():
+                if name in ("_parameters", "_buffers"):
+                    if not skip_parameters:
+                        for n, t in v.items():
+                            if t is not None:
+                                out.append((f"{path}.{n}" if paths else "", t))
+                elif name == "_modules":
+                    for n, m in v.items():
+                        visit(m, f"{path}.{n}" if paths else "")
+                elif not name.startswith("_compiled") and not name.endswith("_hooks"):
+                    visit(v, f"{path}.{name}" if paths else "")
+        elif type(obj).__module__.startswith("speedrun."):
+            attrs = getattr(obj, "__dict__", None)
+            if attrs is not None:
+                for name, v in attrs.items():
+                    visit(v, f"{path}.{name}" if paths else "")
+
+    for name, root in roots:
+        visit(root, name)
+    return out
+
+
+def _address_fingerprint(tensors: list[tuple[str, torch.Tensor]]) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for _, t in tensors)
+
+
+@dataclass(frozen=True)
+class StepKey:
+    """See the module docstring: what a captured step depends on besides the tensors' values."""
+
+    shapes: tuple  # per field: (shape, dtype) of the micro-batch tensors, and max_seqlen
+    count: int  # micro-batches per step
+    scale: float  # each micro-batch's loss factor
+    windows: tuple
+    mtp_count: int
+    prefix: bool
+    present: frozenset  # parameter names holding a gradient at the step's start
+    signature: Any
+    fingerprint: tuple
+
+
+def step_key(model, recipe, batches: Sequence, args: ForwardArgs, scale: float) -> StepKey:
+    """The :class:`StepKey` of a step about to run ``batches`` with ``args``: the model and recipe
+    as they are now (gradients held, FP8 readiness, addresses)."""
+    shape = _batch_shape(batches[0])
+    if any(_batch_shape(b) != shape for b in batches[1:]):
+        raise ValueError("step_key: the micro-batches of one step must share their shapes")
+    signature = model.graph_signature() if hasattr(model, "graph_signature") else (model.training,)
+    return StepKey(
+        shapes=shape, count=len(batches), scale=float(scale), windows=(args.window_short, args.window_long),
+        mtp_count=len(args.mtp_weights), prefix=not _is_zero(args.prefix_weight),
+        present=frozenset(n for n, p in model.named_parameters() if p.grad is not None), signature=signature,
+        fingerprint=_address_fingerprint(reachable_tensors([("model", model), ("recipe", recipe)])),
+    )
+
+
+def _batch_shape(batch) -> tuple:
+    fields = ("inputs", "targets", "cu_seqlens", "bigram")
+    return tuple(None if getattr(batch, f, None) is None else (tuple(getattr(batch, f).shape), getattr(batch, f).dtype)
+                 for f in fields) + (int(batch.max_seqlen),)
+
+
+@dataclass
+class CapturedStep:
+    key: StepKey
+    graph: Any  # torch.cuda.CUDAGraph (anything with .replay())
+    inputs: list  # static micro-batches the graph reads
+    grads: list[tuple[torch.nn.Parameter, torch.Tensor]]  # parameters whose .grad the graph writes
+    carried: list[tuple[torch.nn.Parameter, torch.Tensor]]  # ... of those, the ones it accumulates into
+    host_after: Any  # the model's host-side bookkeeping after the loop
+    replays: int = 0
+    check: dict = field(default_factory=dict)  # the capture's self-check: worst errors
+
+
+@dataclass
+class GraphStats:
+    eager_steps: int = 0
+    replayed_steps: int = 0
+    captures: int = 0
+    capture_s: float = 0.0
+    check_worst: float = 0.0  # largest relative error any self-check saw
+    peak_allocated: int = 0  # the device's peak allocation before the self-checks' snapshots (bytes)
+    key_changes: list[str] = field(default_factory=list)  # why a known key was missed (first few)
+
+
+class StepValues:
+    """The step's loss weights (MTP weights, then the prefix weight) in one fp32 device buffer,
+    written once per step from pinned host memory.  Host buffers rotate through a ring and each
+    waits for its previous copy, so the host never overwrites values a queued copy has yet to read."""
+
+    RING = 4
+
+    def __init__(self, device: torch.device, size: int):
+        self.device = device
+        self.buffer = torch.zeros(size, dtype=torch.float32, device=device)
+        cuda = device.type == "cuda"
+        self._host = [torch.zeros(size, dtype=torch.float32, pin_memory=cuda) for _ in range(self.RING)]
+        self._done: list[Any] = [None] * self.RING
+        self._next = 0
+
+    def write(self, values: Sequence[float]) -> torch.Tensor:
+        if len(values) > self.buffer.numel():
+            raise ValueError(f"StepValues: {len(values)} values for a buffer of {self.buffer.numel()}")
+        i = self._next
+        self._next = (i + 1) % self.RING
+        if self._done[i] is not None:
+            self._done[i].synchronize()
+        host = self._host[i]
+        host.zero_()
+        host[: len(values)] = torch.tensor(values, dtype=torch.float32)
+        self.buffer.copy_(host, non_blocking=True)
+        if self.device.type == "cuda":
+            self._done[i] = torch.cuda.Event()
+            self._done[i].record()
+        return self.buffer
+
+
+class CudaCapture:
+    """How :class:`StepGraphs` captures: CUDA graphs on one side stream, one memory pool shared by
+    all of a run's graphs (they never run concurrently, and nothing a graph leaves for later lives
+    in the pool)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def on_side_stream(self):
+        """Run eagerly on the capture stream (warming it as the capture will use it)."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def capture(self, fn: Callable[[], None]):
+        """A graph of what ``fn`` launches (``fn`` runs once, its kernels are recorded, not run);
+        ``.replay()`` runs them.  Thread-local capture mode: the loader's threads may pin memory
+        meanwhile."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+            fn()
+        return graph
+
+    def peak_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+class RerunCapture:
+    """A stand-in for :class:`CudaCapture` off the GPU (tests): capturing runs the function once
+    (standing for the capture and the replay that follows it), a later replay runs it again, so
+    every piece of :class:`StepGraphs`' bookkeeping (keys, gradient buffers, host state, the
+    self-check) runs on the CPU; only the recording of kernels is not exercised."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def synchronize(self) -> None:
+        pass
+
+    def on_side_stream(self):
+        return contextlib.nullcontext()
+
+    def capture(self, fn: Callable[[], None]):
+        fn()
+        return _Rerun(fn)
+
+    def peak_allocated(self) -> int:
+        return 0
+
+    def reset_peak(self) -> None:
+        pass
+
+
+class _Rerun:
+    def __init__(self, fn: Callable[[], None]):
+        self.fn, self.captured = fn, True
+
+    def replay(self) -> None:
+        if self.captured:  # the capture already ran it: this is the replay right after capture
+            self.captured = False
+            return
+        self.fn()
+
+
+class StepGraphs:
+    """Capture and replay of a step's micro-batches (see the module docstring).
+
+    model, recipe: the run's (the recipe's ``after_backward`` runs inside the loop, and the
+    recipe is walked for the address fingerprint).  pause: a context manager factory the capture
+    and its check run inside (the training loop stops its clock there).  check: compare each
+    graph's first replay with the eager loop."""
+
+    def __init__(self, model, recipe, device: torch.device, dtype: torch.dtype, *,
+                 pause: Callable[[], contextlib.AbstractContextManager] | None = None, check: bool = True,
+                 capture_with: Callable[[torch.device], Any] | None = None):
+        if capture_with is None:
+            if device.type != "cuda":
+                raise ConfigError(f"CUDA graphs need a CUDA device, got {device}")
+            capture_with = CudaCapture
+        self.model, self.recipe, self.device, self.dtype = model, recipe, device, dtype
+        self._capture_with = capture_with
+        self._capturer = None
+        self.pause = pause or contextlib.nullcontext
+        self.check = check
+        self.stats = GraphStats()
+        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._steps: dict[StepKey, CapturedStep] = {}
+        self._sightings: dict[StepKey, int] = {}
+        self._grad_buffers: dict[int, torch.Tensor] = {}  # id(param) -> its gradient buffer
+        self._inputs: dict[tuple, list] = {}  # (batch shape, count) -> static micro-batches
+        self._values: StepValues | None = None
+        self._loss: torch.Tensor | None = None
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def run(self, batches: list, args: ForwardArgs, scale: float) -> torch.Tensor:
+        """The loop over ``batches`` (already on the device): replayed, captured or eager.
+        Returns the scaled losses' sum (0-d fp32, a fresh tensor)."""
+        key = self._key(batches, args, scale)
+        step = self._steps.get(key)
+        if step is not None:
+            return self._replay(step, batches, args)
+        seen = self._sightings[key] = self._sightings.get(key, 0) + 1
+        if seen < CAPTURE_ON_SIGHT:
+            self._note_missed(key)
+            self.stats.eager_steps += 1
+            return microbatch.accumulate(self.model, self.recipe, batches, args, scale, self.device, self.dtype)
+        with self.pause():
+            t0 = time.perf_counter()
+            step = self._capture(key, batches, args, scale)
+            self.stats.capture_s += time.perf_counter() - t0
+        self._sightings.pop(key, None)
+        return self._loss.clone()
+
+    def summary(self) -> dict:
+        """Counts for the run log: steps replayed and eager, captures, their time and checks."""
+        s = self.stats
+        return {"graphs": len(self._steps), "replayed_steps": s.replayed_steps, "eager_steps": s.eager_steps,
+                "captures": s.captures, "capture_s": round(s.capture_s, 3), "check_worst_rel_err": s.check_worst,
+                "key_changes": list(s.key_changes)}
+
+    # -- keys ----------------------------------------------------------------------------------
+
+    def _roots(self) -> list[tuple[str, Any]]:
+        return [("model", self.model), ("recipe", self.recipe)]
+
+    def _key(self, batches: list, args: ForwardArgs, scale: float) -> StepKey:
+        return step_key(self.model, self.recipe, batches, args, scale)
+
+    def _note_missed(self, key: StepKey) -> None:
+        """Record (the first few times) why a step that resembles a captured one is not it."""
+        if len(self.stats.key_changes) >= 8:
+            return
+        for known in self._steps:
+            if (known.shapes, known.count, known.windows, known.present) != (key.shapes, key.count, key.windows,
+                                                                            key.present):
+                continue
+            if known.signature != key.signature:
+                self.stats.key_changes.append(f"signature {known.signature} -> {key.signature}")
+            elif known.fingerprint != key.fingerprint:
+                named = reachable_tensors(self._roots(), paths=True)
+                changed = [name for (name, t), old in zip(named, known.fingerprint) if t.data_ptr() != old]
+                if len(known.fingerprint) != len(named):
+                    changed.append(f"(tensor count {len(known.fingerprint)} -> {len(named)})")
+                self.stats.key_changes.append("addresses moved: " + ", ".join(changed[:4]))
+            return
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def _static_inputs(self, batches: list) -> list:
+        slot = (_batch_shape(batches[0]), len(batches))
+        static = self._inputs.get(slot)
+        if static is None:
+            static = self._inputs[slot] = [_empty_like_batch(b) for b in batches]
+        for dst, src in zip(static, batches):
+            for f in ("inputs", "targets", "cu_seqlens", "bigram"):
+                t = getattr(src, f, None)
+                if t is not None:
+                    getattr(dst, f).copy_(t, non_blocking=True)
+        return static
+
+    def _graph_args(self, args: ForwardArgs) -> ForwardArgs:
+        """``args`` with the loss weights read from the step-values buffer (written now)."""
+        weights = [float(w) for w in args.mtp_weights]
+        prefix = not _is_zero(args.prefix_weight)
+        values = weights + ([float(args.prefix_weight)] if prefix else [])
+        if self._values is None:
+            self._values = StepValues(self.device, max(8, len(values)))
+        buf = self._values.write(values)
+        k = len(weights)
+        return ForwardArgs(window_short=args.window_short, window_long=args.window_long, mtp_weights=buf[:k],
+                           prefix_weight=buf[k] if prefix else 0.0)
+
+    # -- replay --------------------------------------------------------------------------------
+
+    def _replay(self, step: CapturedStep, batches: list, args: ForwardArgs) -> torch.Tensor:
+        self._static_inputs(batches)
+        self._graph_args(args)
+        self._replay_captured(step)
+        step.replays += 1
+        self.stats.replayed_steps += 1
+        return self._loss.clone()
+
+    def _replay_captured(self, step: CapturedStep) -> None:
+        for p, buf in step.carried:
+            if p.grad is not buf:  # made by an eager step: carry it into the graph's buffer
+                buf.copy_(p.grad)
+        for p, buf in step.grads:
+            p.grad = buf
+        step.graph.replay()
+        if step.host_after is not None:
+            self.model.set_graph_host_state(step.host_after)
+
+    # -- capture -------------------------------------------------------------------------------
+
+    def _capture(self, key: StepKey, batches: list, args: ForwardArgs, scale: float) -> CapturedStep:
+        model, device = self.model, self.device
+        if self._capturer is None:
+            self._capturer = self._capture_with(device)
+            self._loss = torch.zeros((), dtype=torch.float32, device=device)
+        cap = self._capturer
+        static = self._static_inputs(batches)
+        gargs = self._graph_args(args)
+        host = model.graph_host_state() if hasattr(model, "graph_host_state") else None
+        cap.synchronize()
+        self.stats.peak_allocated = max(self.stats.peak_allocated, cap.peak_allocated())
+
+        # (1) the eager loop on the capture stream, from a snapshot of what it changes
+        # (tensors that require grad are parameters or views of them: the loop does not write them)
+        state = [(n, t) for n, t in reachable_tensors([("model", model)], paths=True, skip_parameters=True)
+                 if not t.requires_grad]
+        before = [t.detach().clone() for _, t in state]
+        grads_before = {id(p): (p.grad, None if p.grad is None else p.grad.detach().clone()) for _, p in self._params}
+        with cap.on_side_stream():
+            eager_loss = microbatch.accumulate(model, self.recipe, static, gargs, scale, device, self.dtype)
+        cap.synchronize()
+        received = [(n, p) for n, p in self._params if p.grad is not None]
+        eager = {"loss": eager_loss.clone()}
+        if self.check:
+            eager["state"] = [t.detach().clone() for _, t in state]
+            eager["grads"] = {id(p): p.grad.detach().clone() for _, p in received}
+
+        # (2) put the snapshot back, gradients into their run-long buffers
+        for (_, t), saved in zip(state, before):
+            t.copy_(saved)
+        del before
+        if host is not None:
+            model.set_graph_host_state(host)
+        grads, carried, fresh = [], [], []
+        for _, p in received:
+            buf = self._grad_buffers.get(id(p))
+            if buf is None:
+                buf = self._grad_buffers[id(p)] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            old, saved = grads_before[id(p)]
+            if old is None:
+                fresh.append(buf)
+            else:
+                buf.copy_(saved)
+                carried.append((p, buf))
+            p.grad = buf
+            grads.append((p, buf))
+        del grads_before
+        cap.synchronize()
+
+        # (3) capture, (4) replay
+        def loop() -> None:
+            if fresh:
+                torch._foreach_zero_(fresh)
+            total = microbatch.accumulate(model, self.recipe, static, gargs, scale, device, self.dtype)
+            self._loss.copy_(total)
+
+        graph = cap.capture(loop)
+        host_after = model.graph_host_state() if hasattr(model, "graph_host_state") else None
+        step = CapturedStep(key, graph, static, grads, carried, host_after)
+        self._replay_captured(step)
+        cap.synchronize()
+
+        # (5) the replay against the eager loop
+        if self.check:
+            step.check = self._compare(key, eager, state, received)
+            self.stats.check_worst = max(self.stats.check_worst, step.check["worst_rel_err"])
+        del eager, state
+        cap.reset_peak()  # the snapshots above are not the run's memory
+        self._steps[key] = step
+        self.stats.captures += 1
+        return step
+
+    def _compare(self, key: StepKey, eager: dict, state: list, received: list) -> dict:
+        pairs = [("loss", self._loss, eager["loss"])]
+        pairs += [(f"{n}.grad", p.grad, eager["grads"][id(p)]) for n, p in received]
+        pairs += [(name, t, saved) for (name, t), saved in zip(state, eager["state"])]
+        worst, exact = 0.0, 0
+        for name, got, want in pairs:
+            err = _relative_error(got, want)
+            if not err <= CHECK_TOLERANCE:  # NaN fails too
+                raise GraphMismatchError(
+                    f"CUDA graph of the step with {key.count} micro-batch(es) of shapes {key.shapes}, windows "
+                    f"{key.windows}: its replay differs from the eager step in {name} (relative error {err:.3g} > "
+                    f"{CHECK_TOLERANCE}); run with train.cuda_graphs=off and report this")
+            worst = max(worst, err)
+            exact += bool(torch.equal(got, want))
+        return {"compared": len(pairs), "bitwise_equal": exact, "worst_rel_err": worst}
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    if got.shape != want.shape:
+        return float("inf")
+    if got.numel() == 0:
+        return 0.0
+    g, w = got.detach().double(), want.detach().double()
+    if bool(torch.isnan(g).ne(torch.isnan(w)).any()):
+        return float("nan")
+    g, w = torch.nan_to_num(g, nan=0.0), torch.nan_to_num(w, nan=0.0)
+    diff = float((g - w).norm())
+    if diff == 0.0:
+        return 0.0
+    return diff / max(float(w.norm()), 1e-30)
+
+
+def _is_zero(value) -> bool:
+    return isinstance(value, (int, float)) and value == 0
+
+
+def _empty_like_batch(batch):
+    import dataclasses
+
+    fields = {f: (None if getattr(batch, f, None) is None else torch.empty_like(getattr(batch, f)))
+              for f in ("inputs", "targets", "cu_seqlens", "bigram")}
+    return dataclasses.replace(batch, **fields)
+

@@ -1,0 +1,202 @@
+"""CUDA-graph steps (:mod:`speedrun.train.graphs`) off the GPU: the capture plan and what makes it
+sound.  A captured step reads and writes fixed addresses, so everything it touches that outlives
+a step must keep its address (FP8 weight caches and scales, accumulators, RoPE tables); these
+tests run the record and candidate code paths eagerly on the CPU and check that the step keys
+repeat as the plan says: after the first step (no FP8 scale ready yet) exactly two keys per
+stage, one for even and one for odd steps.  The capture itself, the replay and the self-check
+need CUDA: ``tests/gpu/test_graphs_gpu.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speedrun.config import apply_overrides, preset
+from speedrun.errors import ConfigError
+from speedrun.train.graphs import (
+    STEPS_UNTIL_REPLAY,
+    StepValues,
+    _relative_error,
+    graphs_enabled,
+    reachable_tensors,
+    step_key,
+)
+
+pytestmark = pytest.mark.usefixtures("use_builtin_cache", "one_thread")
+
+RECORD = ("model.kernels=fp8", "model.mlp_input_quant=graph", "model.mlp_weight_grad=accumulate")
+CANDIDATE = ("model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_head_dim=16",
+             "model.fp8_input_scaling=delayed", "model.qk_prep_fp8_grad=true")
+
+
+def _session(tmp_path, switches, stage=0):
+    from speedrun import distributed
+    from speedrun.evidence.bench import build_session
+
+    cfg = preset("tiny-record")
+    apply_overrides(cfg, ["model.num_layers=4", "model.model_dim=32", "model.num_heads=2", "model.qk_head_dim=12",
+                          "train.batch_divisor=1024", "train.steps=24", "train.num_extension=3",
+                          f"out_dir={tmp_path / 'runs'}", *switches])
+    info = distributed.setup(cfg.train.device)
+    return build_session("arm", cfg, stage, info)
+
+
+def _keys(session, steps: int):
+    """The step key of each of ``steps`` steps, taken where run_step takes it (after before_step)."""
+    from speedrun.train.loop import micro_batching
+
+    keys = []
+    batch = session.loader.next_batch()
+    for _ in range(steps):
+        step = session.stage.start_step + session.count
+        session.recipe.before_step(step)
+        args = session.recipe.forward_args(step)
+        mb = micro_batching(session.stage, session.cfg, session.info.world_size)
+        keys.append(step_key(session.model, session.recipe, [batch] * mb.count, args, 1.0 / mb.count))
+        session.step()
+    return keys
+
+
+@pytest.mark.parametrize("switches", [RECORD, CANDIDATE], ids=["record", "candidate"])
+def test_step_keys_repeat_with_the_parity_of_the_step(tmp_path, kernels_use_references, switches):
+    session = _session(tmp_path, switches)
+    try:
+        keys = _keys(session, 7)
+    finally:
+        session.close()
+    assert keys[0].signature != keys[2].signature  # step 0: no FP8 activation scale is ready yet
+    for i in range(1, 5):
+        assert keys[i] == keys[i + 2], _difference(keys[i], keys[i + 2])
+        assert keys[i] != keys[i + 1]
+    assert keys[1].present - keys[2].present == {"scalars", "smear_gate", "ve_gate_bank", "lm_head", "post_lambdas",
+                                                 "resid_lambdas", "mudd_w1", "mudd_w2", "mudd_b2", "mudd_gate_w1",
+                                                 "mudd_gate_w2", "mudd_gate_b2", "mudd_gate_scale"}
+    assert not keys[2].present  # after an Adam (odd) step every gradient was consumed
+    # every key of a stage is replayed from this step on, which is what the bench's warmup covers
+    assert len(set(keys[:STEPS_UNTIL_REPLAY])) == 3 and set(keys[STEPS_UNTIL_REPLAY:]) <= set(keys[1:3])
+
+
+def _difference(a, b) -> str:
+    for field in ("shapes", "count", "scale", "windows", "mtp_count", "prefix", "present", "signature"):
+        if getattr(a, field) != getattr(b, field):
+            return f"{field}: {getattr(a, field)} != {getattr(b, field)}"
+    if a.fingerprint != b.fingerprint:
+        return f"fingerprint: {len(a.fingerprint)} vs {len(b.fingerprint)} tensors, first change at " \
+               f"{next((i for i, (x, y) in enumerate(zip(a.fingerprint, b.fingerprint)) if x != y), None)}"
+    return "equal"
+
+
+def test_the_fingerprint_follows_replaced_tensors():
+    """A tensor reachable from the model that is replaced (not updated in place) changes the key."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+            self.cache = {"scale": torch.zeros(())}
+
+    m = Holder()
+    named = reachable_tensors([("m", m)], paths=True)
+    assert [n for n, _ in named] == ["m.w", "m.cache['scale']"]
+    before = [t.data_ptr() for _, t in named]
+    m.cache["scale"].fill_(2.0)  # in place: same address
+    assert [t.data_ptr() for _, t in reachable_tensors([("m", m)])] == before
+    m.cache["scale"] = torch.full((), 3.0)  # replaced
+    assert [t.data_ptr() for _, t in reachable_tensors([("m", m)])] != before
+    assert [n for n, _ in reachable_tensors([("m", m)], paths=True, skip_parameters=True)] == ["m.cache['scale']"]
+
+
+def test_host_state_round_trip(tmp_path, kernels_use_references):
+    session = _session(tmp_path, CANDIDATE)
+    try:
+        for _ in range(2):
+            session.step()
+        model = session.model
+        saved = model.graph_host_state()
+        for st in model._fp8_scale_states():
+            st.used.add("x")
+        model.set_graph_host_state(saved)
+        assert model.graph_host_state() == saved
+    finally:
+        session.close()
+
+
+def test_graph_settings_and_errors():
+    assert not graphs_enabled("auto", torch.device("cpu"))
+    assert not graphs_enabled("off", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        graphs_enabled("on", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="auto, on, off"):
+        graphs_enabled("yes", torch.device("cpu"))
+
+
+def test_relative_error_catches_nan_and_shape():
+    a = torch.tensor([1.0, 2.0])
+    assert _relative_error(a, a.clone()) == 0.0
+    assert _relative_error(a, torch.tensor([1.0, float("nan")])) != _relative_error(a, a)  # NaN: fails any bound
+    assert not _relative_error(torch.tensor([1.0, float("nan")]), a) <= 1.0
+    assert _relative_error(a, torch.ones(3)) == float("inf")
+    assert abs(_relative_error(torch.tensor([1.0, 2.001], dtype=torch.float64), torch.tensor([1.0, 2.0])) - 0.001 / 5 ** 0.5) < 1e-12
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory and events need CUDA")
+def test_step_values_ring():
+    values = StepValues(torch.device("cuda"), 4)
+    for i in range(10):
+        buf = values.write([float(i), 0.5])
+        assert buf.tolist() == [float(i), 0.5, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("switches", [RECORD, CANDIDATE], ids=["record", "candidate"])
+def test_graph_bookkeeping_takes_the_eager_steps(tmp_path, kernels_use_references, switches):
+    """StepGraphs with its capture stood in by re-running the loop (RerunCapture): keys, sightings,
+    the self-check's snapshot and restore, gradient buffers (zeroed for a parameter without a
+    gradient at the step's start, carried for the record's waiting Adam gradients) and the host
+    state set after each "replay" give bit for bit the weights of the eager loop."""
+    from speedrun.train.graphs import RerunCapture, StepGraphs
+
+    weights, summaries = [], []
+    for graphs in (False, True):
+        session = _session(tmp_path / str(graphs), switches)
+        if graphs:
+            session.graphs = StepGraphs(session.run_model, session.recipe, session.info.device, session.dtype,
+                                        capture_with=RerunCapture)
+        try:
+            losses = [float(session.step()) for _ in range(9)]
+        finally:
+            session.close()
+        if graphs:
+            summaries.append(session.graphs.summary())
+        weights.append((losses, {k: v.clone() for k, v in session.model.state_dict().items()}))
+    (eager_losses, eager_w), (graph_losses, graph_w) = weights
+    assert graph_losses == eager_losses
+    for k in eager_w:
+        assert torch.equal(eager_w[k], graph_w[k]), k
+    (summary,) = summaries
+    assert summary["captures"] == 2 and summary["replayed_steps"] == 9 - STEPS_UNTIL_REPLAY
+    assert summary["eager_steps"] == 3 and summary["check_worst_rel_err"] == 0.0
+
+
+def test_self_check_names_a_mismatch(tmp_path, kernels_use_references):
+    """A replay that computes something else than the eager loop stops the run with the tensor."""
+    from speedrun.train.graphs import GraphMismatchError, RerunCapture, StepGraphs
+
+    session = _session(tmp_path, RECORD)
+    session.graphs = StepGraphs(session.run_model, session.recipe, session.info.device, session.dtype,
+                                capture_with=RerunCapture)
+
+    class Poisoned(RerunCapture):
+        def capture(self, fn):
+            def poisoned():
+                fn()
+                session.model.lm_head.grad.add_(1.0)  # the graph writes a wrong gradient
+
+            return super().capture(poisoned)
+
+    session.graphs._capture_with = Poisoned
+    try:
+        with pytest.raises(GraphMismatchError, match="in lm_head.grad"):
+            for _ in range(STEPS_UNTIL_REPLAY):
+                session.step()
+    finally:
+        session.close()
