@@ -131,8 +131,10 @@ def test_ragged_offsets_match_a_plain_computation():
         starts = [0, *cuts, T] + [T] * trial  # trailing repeats: empty padding slots
         cu = torch.tensor(starts, dtype=torch.int32)
         H, dqk, dv = 3, 96, 128
-        lengths, off_qk, off_v, off_st = cb.ragged_offsets(cu, H, dqk, dv)
-        assert lengths.dtype == torch.int32 and off_qk.dtype == torch.int64
+        mult = cb.offset_multipliers(H, dqk, dv, torch.device("cpu"))
+        lengths, offsets = cb.ragged_offsets(cu, mult)
+        off_qk, off_v, off_st = cb._offset_views(offsets)
+        assert lengths.dtype == torch.int32 and offsets.dtype == torch.int64 and offsets.shape == (3, len(starts))
         assert lengths.shape == (len(starts) - 1, 1, 1, 1) and off_qk.shape == (len(starts), 1, 1, 1)
         assert lengths.flatten().tolist() == [b - a for a, b in zip(starts, starts[1:])]
         assert off_qk.flatten().tolist() == [s * H * dqk for s in starts]
@@ -148,12 +150,12 @@ def test_ragged_offsets_match_a_plain_computation():
 def test_shape_key_fields_and_cap():
     q, k, v = _inputs(T=40, dqk=12, dv=16)
     cu = torch.tensor([0, 10, 40, 40], dtype=torch.int32)
-    key = cb.shape_key(q, v, cu, 2048, 8, 0.5)
+    key = cb.shape_key(q, v, cu.numel(), 2048, 8, 0.5)
     assert (key.tokens, key.heads, key.d_qk, key.d_v, key.slots, key.docs) == (40, 2, 12, 16, 4, 3)
     assert key.max_seqlen == 40  # capped at T: rows past T can never exist
     assert (key.window, key.scale, key.dtype, key.device) == (8, 0.5, torch.bfloat16, -1)
-    assert cb.shape_key(q, v, cu, 30, None, 0.5).max_seqlen == 30
-    assert cb.shape_key(q, v, cu, 30, None, 0.5) != cb.shape_key(q, v, cu, 30, 8, 0.5)
+    assert cb.shape_key(q, v, 4, 30, None, 0.5).max_seqlen == 30
+    assert cb.shape_key(q, v, 4, 30, None, 0.5) != cb.shape_key(q, v, 4, 30, 8, 0.5)
 
 
 # ---------------------------------------------------------------- graphs: declared once per key
@@ -198,8 +200,9 @@ def test_graphs_are_built_once_per_shape_key(fake):
     q, k, v = _inputs()
     cu = torch.tensor([0, 7, 30, 40, 40], dtype=torch.int32)
     sdpa = cb.default_runner()
-    o1, stats = sdpa.forward(q, k, v, cu, 32, 8, 0.3)
+    o1, stats, lengths, offsets = sdpa.forward(q, k, v, cu, 32, 8, 0.3)
     assert sdpa.builds == 1 and o1.shape == (40, 2, 16) and stats.shape == (40, 2, 1) and stats.dtype == torch.float32
+    assert lengths.flatten().tolist() == [7, 23, 10, 0] and offsets[1].tolist() == [0, 7 * 32, 30 * 32, 40 * 32, 40 * 32]
     cu2 = torch.tensor([0, 20, 21, 40, 40], dtype=torch.int32)  # other documents, same slot count
     sdpa.forward(q, k, v, cu2, 32, 8, 0.3)
     assert sdpa.builds == 1 and len(fake.graphs) == 1  # executed again, not rebuilt
@@ -207,9 +210,11 @@ def test_graphs_are_built_once_per_shape_key(fake):
     sdpa.forward(q, k, v, cu2, 32, 8, 0.25)  # another scale
     sdpa.forward(q, k, v, torch.tensor([0, 40], dtype=torch.int32), 32, 8, 0.3)  # another slot count
     assert sdpa.builds == 4
-    sdpa.backward(o1, q, k, v, o1, stats, cu, 32, 8, 0.3)
-    sdpa.backward(o1, q, k, v, o1, stats, cu2, 32, 8, 0.3)
+    sdpa.backward(o1, q, k, v, o1, stats, lengths, offsets, 32, 8, 0.3)
+    sdpa.backward(o1, q, k, v, o1, stats, lengths, offsets, 32, 8, 0.3)
     assert sdpa.builds == 5
+    _, pack, _ = fake.executions[-1]  # the backward reads the forward's lengths and offsets
+    assert pack[cb.Uid.SEQ_Q] is lengths and pack[cb.Uid.OFF_V].data_ptr() == offsets[1].data_ptr()
     # the variant pack: q and k share the width-D_qk offsets, v/o the width-D_v ones, lengths from cu
     _, pack, workspace = fake.executions[1]
     assert pack[cb.Uid.OFF_Q] is pack[cb.Uid.OFF_K] and pack[cb.Uid.OFF_V] is pack[cb.Uid.OFF_O]
@@ -254,10 +259,12 @@ def test_op_shape_functions():
         q, k = torch.empty(50, 3, 96, dtype=torch.bfloat16), torch.empty(50, 3, 96, dtype=torch.bfloat16)
         v = torch.empty(50, 3, 128, dtype=torch.bfloat16)
         cu = torch.empty(9, dtype=torch.int32)
-        o, stats = torch.ops.speedrun.cudnn_sdpa_fwd(q, k, v, cu, 64, 640, 0.1)
+        o, stats, lengths, offsets = torch.ops.speedrun.cudnn_sdpa_fwd(q, k, v, cu, 64, 640, 0.1)
         assert o.shape == (50, 3, 128) and o.dtype == torch.bfloat16
         assert stats.shape == (50, 3, 1) and stats.dtype == torch.float32
-        dq, dk, dv = torch.ops.speedrun.cudnn_sdpa_bwd(o, q, k, v, o, stats, cu, 64, 640, 0.1)
+        assert lengths.shape == (8, 1, 1, 1) and lengths.dtype == torch.int32
+        assert offsets.shape == (3, 9) and offsets.dtype == torch.int64
+        dq, dk, dv = torch.ops.speedrun.cudnn_sdpa_bwd(o, q, k, v, o, stats, lengths, offsets, 64, 640, 0.1)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 

@@ -1,8 +1,9 @@
 """cuDNN's fused attention (SDPA) through the cuDNN frontend's Python graph API.
 
 Install with ``pip install -e ".[cudnn]"`` (the ``nvidia-cudnn-frontend`` package; the cuDNN
-library itself is the one torch ships).  Q/K and V may have different widths (96 and 128 both
-run natively, no padding), bf16 or fp16 (fp32 inputs are cast to bf16 and the result cast back).
+library itself is the one torch ships).  CUDA, Hopper (sm90) or newer: cuDNN takes packed
+variable-length batches there only.  Q/K and V may have different widths (96 and 128 both run
+natively, no padding), bf16 or fp16 (fp32 inputs are cast to bf16 and the result cast back).
 
 Layout.  The packed batch is cuDNN's "THD" layout: ``q`` (T, H, D) is described to cuDNN as a
 (B, H, S, D) tensor with token-major strides (S*H*D, D, H*D, 1), where B = len(cu_seqlens) - 1
@@ -29,6 +30,7 @@ Autograd and ``torch.compile``.  The forward and backward run as two custom ops
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -43,9 +45,10 @@ from speedrun.attention import check_inputs
 from speedrun.errors import ConfigError
 
 INSTALL_HINT = 'pip install -e ".[cudnn]"'
-# cuDNN 9.5 is the oldest backend whose SDPA takes ragged (THD) inputs with sliding-window bounds
-# in both directions of training; torch 2.11's wheels ship 9.19.
-MIN_CUDNN_VERSION = 90500
+# Older cuDNN backends have gaps in the frontend's support table for what this backend uses
+# (sliding windows need 9.2, ragged layouts with several heads per group 9.6); torch 2.11's
+# CUDA 13 wheels ship 9.19.
+MIN_CUDNN_VERSION = 90600
 
 
 class Uid(IntEnum):
@@ -94,30 +97,39 @@ class ShapeKey:
         return self.slots - 1
 
 
-def shape_key(q: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-              window: int | None, scale: float) -> ShapeKey:
-    """The :class:`ShapeKey` of one call (q (T, H, D_qk), v (T, H, D_v), cu_seqlens (N+1,))."""
+def shape_key(q: torch.Tensor, v: torch.Tensor, slots: int, max_seqlen: int, window: int | None,
+              scale: float) -> ShapeKey:
+    """The :class:`ShapeKey` of one call: q (T, H, D_qk), v (T, H, D_v), ``slots`` = len(cu_seqlens)."""
     T, H, dqk = q.shape
     dev = q.device.index if q.device.type == "cuda" else -1
     if dev is None:
         dev = torch.cuda.current_device()
-    return ShapeKey(int(T), int(H), int(dqk), int(v.shape[-1]), int(cu_seqlens.numel()),
-                    None if window is None else int(window), max(1, min(int(max_seqlen), int(T))),
-                    float(scale), q.dtype, int(dev))
+    return ShapeKey(int(T), int(H), int(dqk), int(v.shape[-1]), int(slots), None if window is None else int(window),
+                    max(1, min(int(max_seqlen), int(T))), float(scale), q.dtype, int(dev))
 
 
-def ragged_offsets(cu_seqlens: torch.Tensor, heads: int, d_qk: int, d_v: int):
+def offset_multipliers(heads: int, d_qk: int, d_v: int, device: torch.device) -> torch.Tensor:
+    """(3, 1) int64 elements per token of a packed width-d_qk tensor, width-d_v tensor and the
+    (T, H, 1) statistics: H * d_qk, H * d_v, H.  Made once per shape (a host-to-device copy, so
+    not under graph capture) and reused by every call."""
+    return torch.tensor([[heads * d_qk], [heads * d_v], [heads]], dtype=torch.int64).to(device)
+
+
+def ragged_offsets(cu_seqlens: torch.Tensor, multipliers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-document lengths and element offsets from document starts, on cu_seqlens' device.
 
-    cu_seqlens: (N+1,) int32 (trailing repeats of T allowed).  Returns ``(lengths, off_qk,
-    off_v, off_stats)``: lengths (N, 1, 1, 1) int32; the offsets (N+1, 1, 1, 1) int64, the first
-    element of each document in a packed (T, H, D) tensor of width d_qk, d_v, and in the
-    (T, H, 1) softmax statistics.  A few small kernels, no host synchronisation."""
+    cu_seqlens: (N+1,) int32 (trailing repeats of T allowed); multipliers: from
+    :func:`offset_multipliers`.  Returns ``lengths`` (N, 1, 1, 1) int32 and ``offsets`` (3, N+1)
+    int64: row 0 the first element of each document in a packed (T, H, D_qk) tensor, row 1 in a
+    (T, H, D_v) one, row 2 in the (T, H, 1) softmax statistics.  Two kernels, no host sync."""
     cu = cu_seqlens.reshape(-1)
     lengths = (cu[1:] - cu[:-1]).to(torch.int32).view(-1, 1, 1, 1)
-    cu64 = cu.to(torch.int64).view(-1, 1, 1, 1)
-    # scalar multiplies only: no host tensor is copied over, so this can run under graph capture
-    return lengths, cu64 * (heads * d_qk), cu64 * (heads * d_v), cu64 * heads
+    return lengths, cu[None, :] * multipliers  # int32 * int64 -> int64 in one kernel
+
+
+def _offset_views(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = offsets.shape[1]
+    return tuple(offsets[i].view(n, 1, 1, 1) for i in range(3))
 
 
 def _packed_dims(key: ShapeKey, width: int) -> tuple[list[int], list[int]]:
@@ -256,6 +268,14 @@ def _loaded_libcudnn() -> str | None:
     return None
 
 
+def _refuse_under_capture(key: ShapeKey, what: str) -> None:
+    """A new shape met inside CUDA-graph capture cannot be set up there (cuDNN's planning
+    allocates and synchronises): say so instead of failing inside the capture."""
+    if key.device >= 0 and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"cudnn attention: asked to {what} for a new shape inside CUDA-graph capture ({key}); "
+                           "run one eager forward and backward with these shapes before capturing")
+
+
 class CudnnSDPA:
     """cuDNN handles and built graphs for one process; runs forward and backward.
 
@@ -266,6 +286,7 @@ class CudnnSDPA:
         self._module = module
         self._handles: dict[int, int] = {}
         self._graphs: dict[tuple[str, ShapeKey], tuple[Any, int]] = {}
+        self._multipliers: dict[ShapeKey, torch.Tensor] = {}
         self.builds = 0
 
     @property
@@ -289,9 +310,13 @@ class CudnnSDPA:
         """The built ``(graph, workspace bytes)`` for ``direction`` ("fwd" or "bwd") and ``key``."""
         entry = self._graphs.get((direction, key))
         if entry is None:
+            _refuse_under_capture(key, f"build the {direction} graph")
             build = build_forward_graph if direction == "fwd" else build_backward_graph
+            handle = self.handle(key.device)
             try:
-                entry = build(self.cudnn, self.handle(key.device), key)
+                # the frontend plans for the current device: make it the tensors' one
+                with torch.cuda.device(key.device) if key.device >= 0 else contextlib.nullcontext():
+                    entry = build(self.cudnn, handle, key)
             except ConfigError:
                 raise
             except Exception as e:  # cuDNN refuses a configuration: name it
@@ -309,24 +334,33 @@ class CudnnSDPA:
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         graph.execute({int(u): t for u, t in pack.items()}, workspace, handle=handle)
 
+    def multipliers(self, key: ShapeKey, device: torch.device) -> torch.Tensor:
+        m = self._multipliers.get(key)
+        if m is None:
+            _refuse_under_capture(key, "set up the offsets")
+            m = self._multipliers[key] = offset_multipliers(key.heads, key.d_qk, key.d_v, device)
+        return m
+
     def forward(self, q, k, v, cu_seqlens, max_seqlen: int, window: int | None, scale: float):
-        """q, k (T, H, D_qk), v (T, H, D_v) contiguous bf16/fp16 -> (o (T, H, D_v), stats (T, H, 1) fp32)."""
-        key = shape_key(q, v, cu_seqlens, max_seqlen, window, scale)
+        """q, k (T, H, D_qk), v (T, H, D_v) contiguous bf16/fp16, cu_seqlens (N+1,) int32 ->
+        ``(o (T, H, D_v), stats (T, H, 1) fp32, lengths, offsets)``; the last three feed
+        :meth:`backward` (see :func:`ragged_offsets`)."""
+        key = shape_key(q, v, cu_seqlens.numel(), max_seqlen, window, scale)
         graph, ws = self.graph("fwd", key)
-        T, H = key.tokens, key.heads
-        lengths, off_qk, off_v, off_st = ragged_offsets(cu_seqlens, H, key.d_qk, key.d_v)
-        o = torch.empty(T, H, key.d_v, dtype=v.dtype, device=q.device)
-        stats = torch.empty(T, H, 1, dtype=torch.float32, device=q.device)
+        lengths, offsets = ragged_offsets(cu_seqlens, self.multipliers(key, q.device))
+        off_qk, off_v, off_st = _offset_views(offsets)
+        o = torch.empty(key.tokens, key.heads, key.d_v, dtype=v.dtype, device=q.device)
+        stats = torch.empty(key.tokens, key.heads, 1, dtype=torch.float32, device=q.device)
         pack = {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.STATS: stats, Uid.SEQ_Q: lengths, Uid.SEQ_KV: lengths,
                 Uid.OFF_Q: off_qk, Uid.OFF_K: off_qk, Uid.OFF_V: off_v, Uid.OFF_O: off_v, Uid.OFF_STATS: off_st}
         self._execute(graph, ws, pack, q.device, key)
-        return o, stats
+        return o, stats, lengths, offsets
 
-    def backward(self, do, q, k, v, o, stats, cu_seqlens, max_seqlen: int, window: int | None, scale: float):
+    def backward(self, do, q, k, v, o, stats, lengths, offsets, max_seqlen: int, window: int | None, scale: float):
         """Gradients (dq, dk, dv) of the forward's o for upstream gradient ``do`` (T, H, D_v)."""
-        key = shape_key(q, v, cu_seqlens, max_seqlen, window, scale)
+        key = shape_key(q, v, offsets.shape[1], max_seqlen, window, scale)
         graph, ws = self.graph("bwd", key)
-        lengths, off_qk, off_v, off_st = ragged_offsets(cu_seqlens, key.heads, key.d_qk, key.d_v)
+        off_qk, off_v, off_st = _offset_views(offsets)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         pack = {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.DO: do, Uid.STATS: stats, Uid.DQ: dq, Uid.DK: dk,
                 Uid.DV: dv, Uid.SEQ_Q: lengths, Uid.SEQ_KV: lengths, Uid.OFF_Q: off_qk, Uid.OFF_K: off_qk,
@@ -362,26 +396,31 @@ def _fwd_impl(q, k, v, cu_seqlens, max_seqlen: int, window: int, scale: float):
 
 def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, window, scale):
     T, H, _ = q.shape
+    n = cu_seqlens.shape[0]
     return (torch.empty(T, H, v.shape[-1], dtype=v.dtype, device=q.device),
-            torch.empty(T, H, 1, dtype=torch.float32, device=q.device))
+            torch.empty(T, H, 1, dtype=torch.float32, device=q.device),
+            torch.empty(n - 1, 1, 1, 1, dtype=torch.int32, device=q.device),
+            torch.empty(3, n, dtype=torch.int64, device=q.device))
 
 
-def _bwd_impl(do, q, k, v, o, stats, cu_seqlens, max_seqlen: int, window: int, scale: float):
+def _bwd_impl(do, q, k, v, o, stats, lengths, offsets, max_seqlen: int, window: int, scale: float):
     return default_runner().backward(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(),
-                                     stats.contiguous(), cu_seqlens.contiguous(), max_seqlen, _window_arg(window), scale)
+                                     stats.contiguous(), lengths.contiguous(), offsets.contiguous(), max_seqlen,
+                                     _window_arg(window), scale)
 
 
-def _bwd_fake(do, q, k, v, o, stats, cu_seqlens, max_seqlen, window, scale):
+def _bwd_fake(do, q, k, v, o, stats, lengths, offsets, max_seqlen, window, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 # Low-level torch.library ops (as in speedrun.kernels.opaque): no int[] arguments, so Inductor's
-# C++ wrapper can call them too; window -1 stands for "no window".
+# C++ wrapper can call them too; window -1 stands for "no window".  The forward also returns the
+# document lengths and offsets it computed, which the backward reuses.
 _LIB = torch.library.Library("speedrun", "FRAGMENT")
 _LIB.define("cudnn_sdpa_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, int window, "
-            "float scale) -> (Tensor, Tensor)")
-_LIB.define("cudnn_sdpa_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor cu_seqlens, "
-            "int max_seqlen, int window, float scale) -> (Tensor, Tensor, Tensor)")
+            "float scale) -> (Tensor, Tensor, Tensor, Tensor)")
+_LIB.define("cudnn_sdpa_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor lengths, "
+            "Tensor offsets, int max_seqlen, int window, float scale) -> (Tensor, Tensor, Tensor)")
 _LIB.impl("cudnn_sdpa_fwd", _fwd_impl, "CompositeExplicitAutograd")
 _LIB.impl("cudnn_sdpa_bwd", _bwd_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("speedrun::cudnn_sdpa_fwd", _fwd_fake, lib=_LIB)
@@ -389,19 +428,20 @@ torch.library.register_fake("speedrun::cudnn_sdpa_bwd", _bwd_fake, lib=_LIB)
 
 
 class _CudnnAttention(torch.autograd.Function):
-    """y = attention(q, k, v); backward through cuDNN's backward graph (saves o and the stats)."""
+    """y = attention(q, k, v); backward through cuDNN's backward graph (saves o, the statistics and
+    the document lengths and offsets)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen: int, window: int, scale: float):
-        o, stats = torch.ops.speedrun.cudnn_sdpa_fwd(q, k, v, cu_seqlens, max_seqlen, window, scale)
-        ctx.save_for_backward(q, k, v, o, stats, cu_seqlens)
+        o, stats, lengths, offsets = torch.ops.speedrun.cudnn_sdpa_fwd(q, k, v, cu_seqlens, max_seqlen, window, scale)
+        ctx.save_for_backward(q, k, v, o, stats, lengths, offsets)
         ctx.args = (max_seqlen, window, scale)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, stats, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = torch.ops.speedrun.cudnn_sdpa_bwd(do.contiguous(), q, k, v, o, stats, cu_seqlens, *ctx.args)
+        q, k, v, o, stats, lengths, offsets = ctx.saved_tensors
+        dq, dk, dv = torch.ops.speedrun.cudnn_sdpa_bwd(do.contiguous(), q, k, v, o, stats, lengths, offsets, *ctx.args)
         return dq, dk, dv, None, None, None, None
 
 
@@ -450,8 +490,8 @@ def cudnn_problem(device: torch.device) -> str | None:
     if device.type != "cuda" or not torch.cuda.is_available():
         return "cuDNN attention runs on CUDA only"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if torch.cuda.get_device_capability(index) < (8, 0):
-        return "cuDNN fused attention needs an sm80+ GPU"
+    if torch.cuda.get_device_capability(index) < (9, 0):
+        return "cuDNN's packed (THD) attention needs a Hopper (sm90) or newer GPU"
     try:
         version = int(cudnn.backend_version())
     except Exception as e:  # noqa: BLE001

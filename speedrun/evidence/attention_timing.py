@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -69,8 +70,6 @@ def webmix_cu_seqlens(pattern: str, T: int = STAGE3_TOKENS, cap: int = STAGE3_SE
     files = sorted(glob.glob(pattern))
     if not files:
         raise FileNotFoundError(f"no shards match {pattern}")
-    from pathlib import Path
-
     loader = TrainLoader([Path(f) for f in files], T, cap, bos_id=BOS_ID, max_docs=default_max_docs(T, cap),
                          prefetch=False)
     try:
