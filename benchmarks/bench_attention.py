@@ -159,7 +159,18 @@ def main() -> None:
         "results": results, "skipped": skipped, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "matmul_bf16_tflops": matmul, "documents": docs_source, "tokens": STAGE3_TOKENS,
         "cu_seqlens": cu.tolist(), "windows": {"short": short, "long": long}, "step_attention_ms": step,
-        "cudnn_version": _cudnn_version()}, indent=2))
+        "cudnn_version": _cudnn_version(), "cudnn_graph_builds": _cudnn_builds()}, indent=2))
+
+
+def _cudnn_builds():
+    """Graphs the cudnn backend built in this run and their host seconds (None if it did not run)."""
+    from speedrun.attention.cudnn import _Runner
+
+    sdpa = _Runner.sdpa
+    if sdpa is None:
+        return None
+    print(f"cudnn: {sdpa.builds} graphs built in {sdpa.build_seconds:.1f} s")
+    return {"builds": sdpa.builds, "seconds": sdpa.build_seconds}
 
 
 def _cudnn_version():

@@ -35,6 +35,7 @@ import ctypes
 import functools
 import math
 import os
+import time
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -280,7 +281,8 @@ class CudnnSDPA:
     """cuDNN handles and built graphs for one process; runs forward and backward.
 
     ``module``: the cuDNN frontend module (default: imported on first use; tests pass a fake).
-    ``builds`` counts graph builds (one per new shape key and direction)."""
+    ``builds`` counts graph builds (one per new shape key and direction), ``build_seconds`` their
+    host time (cuDNN plans and may compile kernels then)."""
 
     def __init__(self, module: Any = None):
         self._module = module
@@ -288,6 +290,7 @@ class CudnnSDPA:
         self._graphs: dict[tuple[str, ShapeKey], tuple[Any, int]] = {}
         self._multipliers: dict[ShapeKey, torch.Tensor] = {}
         self.builds = 0
+        self.build_seconds = 0.0
 
     @property
     def cudnn(self):
@@ -313,6 +316,7 @@ class CudnnSDPA:
             _refuse_under_capture(key, f"build the {direction} graph")
             build = build_forward_graph if direction == "fwd" else build_backward_graph
             handle = self.handle(key.device)
+            start = time.perf_counter()
             try:
                 # the frontend plans for the current device: make it the tensors' one
                 with torch.cuda.device(key.device) if key.device >= 0 else contextlib.nullcontext():
@@ -324,6 +328,7 @@ class CudnnSDPA:
                                    f"{type(e).__name__}: {e}") from e
             self._graphs[(direction, key)] = entry
             self.builds += 1
+            self.build_seconds += time.perf_counter() - start
         return entry
 
     def _execute(self, graph, workspace_bytes: int, pack: dict, device: torch.device, key: ShapeKey) -> None:
