@@ -178,3 +178,35 @@ def test_runs_inside_torch_compile():
     assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item())
     for a, t in zip(grads, (q, k, v)):
         assert _rel(a, t.grad) < 1e-2
+
+
+@pytest.mark.parametrize("qk", [96, 128])
+def test_record_network_with_cudnn_matches_the_reference_backend(qk):
+    """The record network (paired-head layers, windows, Q/K 96 or 128 with V 128) with the cudnn
+    backend: loss and every parameter gradient as with the reference backend (bf16 model)."""
+    from types import SimpleNamespace
+
+    from speedrun.config import ModelConfig
+    from speedrun.model.interface import ForwardArgs
+    from speedrun.model.record import RecordGPT
+
+    base = dict(vocab_size=257, num_layers=6, model_dim=256, num_heads=2, qk_head_dim=qk, v_head_dim=128,
+                architecture="record")
+    args = ForwardArgs(window_short=128, window_long=384, mtp_weights=(1.0, 0.5), prefix_weight=0.0)
+    g = torch.Generator().manual_seed(3)
+    T = 1024
+    batch = SimpleNamespace(inputs=torch.randint(0, 257, (T,), generator=g, dtype=torch.int32).cuda(),
+                            targets=torch.randint(0, 257, (T,), generator=g).cuda(),
+                            cu_seqlens=torch.tensor([0, 300, 301, 900, T, T, T], dtype=torch.int32).cuda(),
+                            max_seqlen=700, bigram=None)
+    out = {}
+    for backend in ("reference", "cudnn"):
+        torch.manual_seed(0)
+        m = RecordGPT(ModelConfig(**base, attention_backend=backend)).cuda().bfloat16()
+        loss = m.loss(batch, args)
+        loss.backward()
+        grads = torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None])
+        out[backend] = (loss.item(), grads)
+    (l_ref, g_ref), (l_cu, g_cu) = out["reference"], out["cudnn"]
+    assert abs(l_cu - l_ref) <= 1e-2 * abs(l_ref), (l_cu, l_ref)
+    assert _rel(g_cu, g_ref) < 5e-2
