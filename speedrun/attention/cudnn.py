@@ -287,6 +287,7 @@ class CudnnSDPA:
     def __init__(self, module: Any = None):
         self._module = module
         self._handles: dict[int, int] = {}
+        self._streams: dict[int, int] = {}  # the stream each device's handle was last set to
         self._graphs: dict[tuple[str, ShapeKey], tuple[Any, int]] = {}
         self._multipliers: dict[ShapeKey, torch.Tensor] = {}
         self.builds = 0
@@ -334,8 +335,12 @@ class CudnnSDPA:
     def _execute(self, graph, workspace_bytes: int, pack: dict, device: torch.device, key: ShapeKey) -> None:
         handle = self.handle(key.device)
         if device.type == "cuda":
-            # cuDNN runs on its handle's stream: follow torch's current stream (a capture stream too)
-            self.cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
+            # cuDNN runs on its handle's stream: follow torch's current stream (a capture stream
+            # too); cudnnSetStream queries the driver, so only when the stream changed
+            stream = torch.cuda.current_stream(device).cuda_stream
+            if self._streams.get(key.device) != stream:
+                self.cudnn.set_stream(handle=handle, stream=stream)
+                self._streams[key.device] = stream
         workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         graph.execute({int(u): t for u, t in pack.items()}, workspace, handle=handle)
 
