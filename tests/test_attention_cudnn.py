@@ -339,3 +339,14 @@ def test_available_backends_lists_cudnn():
     assert report["cudnn"][0] is False and "CUDA" in report["cudnn"][1]
     assert cb.cudnn_varlen_attention.pads_qk_to_v is False
     assert attn.get_backend("reference") is not None and attn._load("cudnn") is cb.cudnn_varlen_attention
+
+
+def test_importing_the_backend_does_not_import_the_frontend():
+    """No import-time side effects: ``import cudnn`` (which opens the cuDNN library) waits for the
+    first use."""
+    import subprocess
+    import sys
+
+    code = "import sys, speedrun.attention.cudnn; print('cudnn' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
