@@ -49,6 +49,11 @@ if [ -d .carry ] && ls .carry/*.xz >/dev/null 2>&1; then
   export SPEEDRUN_TEST_DATA=/tmp/webmix
 fi
 [ -d .carry/gpt2 ] && export SPEEDRUN_TOKENIZER_DIR=$PWD/.carry/gpt2
+# optional packages carried as wheels (.whl/, git-ignored), e.g. nvidia-cudnn-frontend for the cudnn backend
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 for part in $parts; do
   case $part in
     tests)
@@ -62,10 +67,10 @@ for part in $parts; do
       tail -25 "$OUT/gpu_tests.txt" ;;
     doctor)
       log doctor
-      timeout 120 python3 -m speedrun doctor 2>&1 | tail -30 | tee "$OUT/doctor.txt" ;;
+      timeout 240 python3 -m speedrun doctor 2>&1 | tail -30 | tee "$OUT/doctor.txt" ;;
     attention)
       log "attention backends, stage-3 shapes"
-      timeout 300 python3 benchmarks/bench_attention.py --reps 3 2>&1 | tail -20 ;;
+      timeout 300 python3 benchmarks/bench_attention.py --reps 5 2>&1 | tail -60 ;;
     kernels)
       # BENCHES: names, each optionally with its arguments after a colon, comma-separated
       # (e.g. "bench_adam bench_cross_entropy:--sweep,--skip-eager")

@@ -123,3 +123,24 @@ def test_cli_doctor_exit_codes(capsys):
     assert main(["doctor", "--no-measure"]) == 0
     assert "speedrun doctor" in capsys.readouterr().out
     assert main(["doctor", "--require-gpu", "--no-measure"]) == 1
+
+
+def test_doctor_adds_attention_timings_when_measuring(monkeypatch):
+    """With a GPU and measurements on, each working backend's line carries its stage-3 time; a
+    failing timing is an info line, never a problem."""
+    from speedrun.evidence import attention_timing
+
+    monkeypatch.setattr(attention_timing, "doctor_timings", lambda names: {n: "fwd+bwd 1.25 ms at stage 3" for n in names})
+    rep = doctor.DoctorReport()
+    doctor._check_attention(rep, timed=True)
+    assert ("attention:reference", "ok", "ok; fwd+bwd 1.25 ms at stage 3") in rep.checks
+    assert all("fwd+bwd" not in d for n, _, d in rep.checks if n == "attention:fa3")  # not working: not timed
+
+    def broken(names):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(attention_timing, "doctor_timings", broken)
+    rep = doctor.DoctorReport()
+    doctor._check_attention(rep, timed=True)
+    assert ("attention", "info", "stage-3 timing failed: RuntimeError: out of memory") in rep.checks and rep.ok
+

@@ -17,7 +17,10 @@ packed sequence of documents::
 Backends: ``reference`` (plain PyTorch, any device, the test oracle), ``flex`` (FlexAttention
 with block masks; takes D_qk != D_v natively), ``varlen`` (torch's built-in FlashAttention varlen
 kernel; pads Q/K with zeros to D_v), ``fa3`` (FlashAttention-3 through the optional ``kernels``
-package).  ``auto`` picks the fastest that works on the tensors' device.
+package), ``cudnn`` (cuDNN's fused attention through the optional ``nvidia-cudnn-frontend``
+package; takes D_qk != D_v natively).  ``auto`` picks the fastest that works on the tensors'
+device; on CUDA a backend with a self-check (cudnn) must also pass it, and when ``auto`` passes
+over cudnn it says why once (a warning naming the reason and the install command).
 
 A backend function with ``pads_qk_to_v = True`` runs with D_qk == D_v only and zero-pads narrower
 Q/K itself; a caller that can produce Q/K already padded (zeros in the extra columns, ``scale``
@@ -26,6 +29,8 @@ passed explicitly) saves those copies.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Callable
 
 import torch
@@ -34,8 +39,10 @@ from speedrun.errors import ConfigError
 
 AttentionFn = Callable[..., torch.Tensor]
 
-# Preference order for "auto" on CUDA, fastest first (measured at stage-3 shapes: docs/perf-notes.md).
-_CUDA_PREFERENCE = ("fa3", "varlen", "flex", "reference")
+# Preference order for "auto" on CUDA, fastest first (benchmarks/bench_attention.py times them all;
+# docs/perf-notes.md and docs/results/ hold the measurements).
+_CUDA_PREFERENCE = ("cudnn", "fa3", "varlen", "flex", "reference")
+BACKENDS = ("reference", "flex", "varlen", "fa3", "cudnn")
 
 
 def _load(name: str) -> AttentionFn:
@@ -55,7 +62,11 @@ def _load(name: str) -> AttentionFn:
         from speedrun.attention.fa3 import fa3_varlen_attention
 
         return fa3_varlen_attention
-    raise ConfigError(f"unknown attention backend {name!r}; known: reference, flex, varlen, fa3, auto")
+    if name == "cudnn":
+        from speedrun.attention.cudnn import cudnn_varlen_attention
+
+        return cudnn_varlen_attention
+    raise ConfigError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}, auto")
 
 
 def backend_problem(name: str, device: torch.device | str) -> str | None:
@@ -75,6 +86,10 @@ def backend_problem(name: str, device: torch.device | str) -> str | None:
         from speedrun.attention.fa3 import fa3_problem
 
         return fa3_problem(device)
+    if name == "cudnn":
+        from speedrun.attention.cudnn import cudnn_problem
+
+        return cudnn_problem(device)
     return f"unknown attention backend {name!r}"
 
 
@@ -85,13 +100,22 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
         if device.type != "cuda":
             return "reference"
         for candidate in _CUDA_PREFERENCE:
-            if backend_problem(candidate, device) is None:
+            problem = backend_problem(candidate, device)
+            if problem is None:
                 return candidate
+            if candidate == "cudnn":
+                _warn_skipped(candidate, problem)
         return "reference"
     problem = backend_problem(name, device)
     if problem:
         raise ConfigError(f"attention backend {name!r} cannot run on {device}: {problem}")
     return name
+
+
+@functools.cache
+def _warn_skipped(name: str, problem: str) -> None:
+    """Say once why ``auto`` passed over a preferred backend."""
+    warnings.warn(f"attention backend auto: skipping {name}: {problem}; trying the next backend", stacklevel=3)
 
 
 def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionFn:
@@ -114,7 +138,7 @@ def available_backends(device: torch.device | str | None = None) -> dict[str, tu
     v = torch.randn(T, H, dv, generator=g).to(device, dtype)
     cu = torch.tensor([0, 20, 64, 64], dtype=torch.int32, device=device)
     ref = reference_attention(q.float(), k.float(), v.float(), cu, 44, window=16, scale=0.2)
-    for name in ("reference", "flex", "varlen", "fa3"):
+    for name in BACKENDS:
         problem = backend_problem(name, device)
         if problem:
             out[name] = (False, problem)

@@ -140,7 +140,9 @@ def _check_fp8(rep: DoctorReport, has_gpu: bool) -> None:
                     "update torch/driver; see the detail for the failing call", blocking=True)
 
 
-def _check_attention(rep: DoctorReport) -> None:
+def _check_attention(rep: DoctorReport, timed: bool = False) -> None:
+    """Each backend's self-check; with ``timed`` (a GPU and measurements on) also its forward +
+    backward time at the record's stage-3 shape."""
     try:
         from speedrun.attention import available_backends
     except ImportError:
@@ -154,8 +156,16 @@ def _check_attention(rep: DoctorReport) -> None:
                     "print(a.available_backends())' to see the traceback", blocking=True)
         return
     working = [name for name, (ok, _) in backends.items() if ok]
+    times = {}
+    if timed and working:
+        try:
+            from speedrun.evidence.attention_timing import doctor_timings
+
+            times = doctor_timings(working)
+        except Exception as e:  # noqa: BLE001 - timing is extra information, never a failure
+            rep.add("attention", "info", f"stage-3 timing failed: {type(e).__name__}: {e}"[:200])
     for name, (ok, detail) in backends.items():
-        rep.add(f"attention:{name}", "ok" if ok else "warn", detail)
+        rep.add(f"attention:{name}", "ok" if ok else "warn", detail + (f"; {times[name]}" if name in times else ""))
     if not working:
         rep.problem("no attention backend passes its check",
                     "see the attention:* lines above; the pure-torch reference should always work",
@@ -209,7 +219,7 @@ def run_doctor(require_gpu: bool = False, data_glob: str | None = None, measure:
     _check_versions(rep)
     has_gpu = _check_gpu(rep)
     _check_fp8(rep, has_gpu)
-    _check_attention(rep)
+    _check_attention(rep, timed=measure and has_gpu)
     _check_data(rep, data_glob)
     _check_tokenizer(rep)
     rep.fingerprint = node_fingerprint(measure=measure and has_gpu)
