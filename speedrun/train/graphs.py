@@ -15,7 +15,7 @@ and loss scale, the attention windows, how many MTP weights there are and whethe
 runs, which parameters already hold a gradient when the step starts (the record's Adam gradients
 wait across an even step), the model's ``graph_signature()`` (e.g. which FP8 scales are ready)
 and an *address fingerprint*: the data pointer of every tensor reachable from the model and the
-recipe (FP8 weight caches and scales, RoPE tables, accumulators, optimizer state).  A graph reads
+optimizer (FP8 weight caches and scales, RoPE tables, accumulators, optimizer state).  A graph reads
 and writes fixed addresses, so the code it captures keeps its state in tensors that are updated
 in place; if one is replaced anyway, the fingerprint changes, and the step runs eagerly (and is
 captured anew when seen again) instead of reading stale or freed memory.
@@ -158,8 +158,15 @@ def step_key(model, recipe, batches: Sequence, args: ForwardArgs, scale: float) 
         shapes=shape, count=len(batches), scale=float(scale), windows=(args.window_short, args.window_long),
         mtp_count=len(args.mtp_weights), prefix=not _is_zero(args.prefix_weight),
         present=frozenset(n for n, p in model.named_parameters() if p.grad is not None), signature=signature,
-        fingerprint=_address_fingerprint(reachable_tensors([("model", model), ("recipe", recipe)])),
+        fingerprint=_address_fingerprint(reachable_tensors(_roots(model, recipe))),
     )
+
+
+def _roots(model, recipe) -> list[tuple[str, Any]]:
+    """Where the fingerprint looks: the model and the optimizer (whose sparse-exchange row marks
+    the loop writes); not the rest of the recipe (its tokenizer's tables are large and hold no
+    tensor)."""
+    return [("model", model), ("optimizer", getattr(recipe, "optimizer", None))]
 
 
 def _batch_shape(batch) -> tuple:
@@ -300,8 +307,8 @@ class _Rerun:
 class StepGraphs:
     """Capture and replay of a step's micro-batches (see the module docstring).
 
-    model, recipe: the run's (the recipe's ``after_backward`` runs inside the loop, and the
-    recipe is walked for the address fingerprint).  pause: a context manager factory the capture
+    model, recipe: the run's (the recipe's ``after_backward`` runs inside the loop, and its
+    optimizer is walked for the address fingerprint).  pause: a context manager factory the capture
     and its check run inside (the training loop stops its clock there).  check: compare each
     graph's first replay with the eager loop."""
 
@@ -357,7 +364,7 @@ class StepGraphs:
     # -- keys ----------------------------------------------------------------------------------
 
     def _roots(self) -> list[tuple[str, Any]]:
-        return [("model", self.model), ("recipe", self.recipe)]
+        return _roots(self.model, self.recipe)
 
     def _key(self, batches: list, args: ForwardArgs, scale: float) -> StepKey:
         return step_key(self.model, self.recipe, batches, args, scale)
