@@ -46,6 +46,7 @@ NARROW = SimpleNamespace(**{**vars(SHAPES), "head_dim": 16, "model_dim": 96})
 FORWARD_CASES = ({"seed": 0, "windows": (64, 192), "yarn": ()},
                  {"seed": 1, "windows": (128, 384), "yarn": ((128, 256), (256, 384))})
 GRAD_SEED = 3
+HEAD_ROWS = 64  # rows of the gradient case whose head inputs and gradients the fixture keeps
 SMALL = 16384  # tensors up to this many elements are stored whole, larger ones by recipe / sketch
 SKETCH_BUCKETS = 2048
 # our parameter name -> upstream's, where they differ
@@ -189,6 +190,12 @@ def unpack_signs(packed: dict) -> torch.Tensor:
     for d in packed["shape"]:
         n *= d
     return (bits[:n].float() * 2 - 1).view(packed["shape"])
+
+
+def head_rows(n: int) -> torch.Tensor:
+    """The sorted rows (of ``n``) whose loss-head inputs the ``network`` fixture keeps."""
+    g = torch.Generator().manual_seed(_seed_of(13, "head"))
+    return torch.randperm(n, generator=g)[:HEAD_ROWS].sort().values
 
 
 def file_digest(path: Path) -> str:

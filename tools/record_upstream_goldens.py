@@ -97,7 +97,22 @@ def record_network(src: Path, out: Path) -> None:
     # rotating Q/K rows flipped to our RoPE convention)
     m = copy.deepcopy(model)
     batch = G.batch_of(S.docs, S.vocab, G.GRAD_SEED, mod)
-    m(*G.upstream_batch(batch, up.get_bigram_hash), forward_cfg(up, 64, 192)).mean().backward()
+    captured = {}
+
+    def keep_head_input(module, inputs, output):  # the final normed hidden state, as the head gets it
+        inputs[0].retain_grad()
+        captured["x"] = inputs[0]
+
+    hook = m.lm_head.register_forward_hook(keep_head_input)
+    loss = m(*G.upstream_batch(batch, up.get_bigram_hash), forward_cfg(up, 64, 192))
+    loss.mean().backward()
+    hook.remove()
+    # the loss head's golden: some rows' hidden states, losses and d(loss_t)/dx_t (upstream's autograd)
+    T = loss.shape[0]
+    rows = G.head_rows(T)
+    x = captured["x"].detach().reshape(T, -1)
+    head = {"rows": rows, "x": x[rows].float().clone(), "loss": loss.detach()[rows].float().clone(),
+            "dx": (captured["x"].grad.reshape(T, -1)[rows] * T).float().clone()}
     ours = G.ours_from_upstream({n: p.detach() for n, p in model.named_parameters()},
                                 model.bigram_sign_table.float())
     by_up = dict(m.named_parameters())
@@ -113,7 +128,7 @@ def record_network(src: Path, out: Path) -> None:
     G.save_fixture("network", {
         "shapes": vars(S), "weights": weights, "sign_table": G.pack_signs(model.bigram_sign_table.float()),
         "bigram_mod": mod, "cases": cases, "grad_seed": G.GRAD_SEED, "grad_windows": [64, 192],
-        "grads": grads, "mlp_padding_grad_norm": padding_norm,
+        "grads": grads, "mlp_padding_grad_norm": padding_norm, "head": head,
     }, out)
 
 
