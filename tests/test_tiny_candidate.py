@@ -18,7 +18,7 @@ from speedrun.config import apply_overrides, preset
 from speedrun.train.checkpoint import list_checkpoints
 from speedrun.train.loop import train
 
-pytestmark = pytest.mark.usefixtures("use_builtin_cache")
+pytestmark = pytest.mark.usefixtures("use_builtin_cache", "one_thread")
 
 CANDIDATE_SWITCHES = ("qkv_path", "kernels", "fp8_input_scaling", "qk_prep_fp8_grad", "mlp_input_quant",
                       "mlp_weight_grad")
