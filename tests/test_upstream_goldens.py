@@ -6,8 +6,9 @@ on every CI run.  ``tests/test_upstream_equivalence.py`` runs the same compariso
 
 What the fixtures pin: the evaluation per-token loss (softcapped cross-entropy) of the whole
 network in two window/YaRN cases, the gradient of every parameter, upstream's initialisation, every
-step of three schedules, the validation sizes, eight NorMuon + Adam steps around the untie, and the
-data generator's training and validation batches.  The training loss's MTP and prefix terms run in
+step of three schedules, the validation sizes, eight NorMuon + Adam steps around the untie, the
+data generator's training and validation batches, and the loss head on 64 of upstream's final
+hidden states (against which the presets' Triton CE kernel runs, bf16 and FP8).  The training loss's MTP and prefix terms run in
 upstream's CUDA C cross-entropy kernel and cannot be recorded on a CPU; the schedule fixture pins
 their weights.
 """

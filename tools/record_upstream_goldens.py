@@ -12,7 +12,8 @@ the few small tensors that are not drawn from a recipe.  ``tests/test_upstream_g
 them.  One fixture per part:
 
 - ``network``: the weights' recipe (small tensors whole), the sign table, eval per-token losses
-  (two window/YaRN cases), the gradient of every parameter (sketches of the large ones);
+  (two window/YaRN cases), the gradient of every parameter (sketches of the large ones), and for
+  64 rows of the gradient case the loss head's input, loss and d loss / dx;
 - ``init``: upstream's initialisation at the same shapes (deterministic tensors whole, the random
   ones' std and largest magnitude);
 - ``schedule``: every step's settings of three schedules, the validation sizes;
