@@ -101,7 +101,8 @@ class PatchError(Exception):
 
 @dataclass(frozen=True)
 class Patch:
-    """Replace ``anchor`` (which must occur exactly once) by ``replacement``.
+    """Replace ``anchor`` (which must occur exactly ``count`` times, once unless stated) by
+    ``replacement``.
 
     ``replacement`` None only checks that the anchor is there: used for values our patches rely on.
     """
@@ -110,6 +111,28 @@ class Patch:
     anchor: str
     replacement: str | None
     why: str
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """What differs between the upstream commits this patcher handles (``benchmarks/upstream_pr344.py``
+    describes PR #344's; the rest of the patches are common).
+
+    ``extension_anchor``: the ``num_extension_iterations`` line; ``step_anchor``: text at the end
+    of a training step, after whose first ``step_anchor_split`` characters the profile's stop is
+    inserted (the whole anchor when None); ``kernel_patches``: further patches of
+    ``triton_kernels.py``."""
+
+    commit: str = UPSTREAM_COMMIT
+    extension_anchor: str = "num_extension_iterations: int = 15"
+    extension_default: int = 15
+    step_anchor: str = "    model.quantize_mlp_fp8(bootstrap_down=(step < 16))\n"
+    step_anchor_split: int | None = None
+    kernel_patches: tuple[Patch, ...] = ()
+
+
+F411B3D = Upstream()
 
 
 @dataclass
@@ -157,7 +180,7 @@ def validate(opts: BenchOptions) -> None:
             raise PatchError(f"--profile {opts.profile_start}:{opts.profile_steps}: the steps must lie in 0..{total - 1}")
 
 
-def train_patches(opts: BenchOptions) -> list[Patch]:
+def train_patches(opts: BenchOptions, target: Upstream = F411B3D) -> list[Patch]:
     """The patches for upstream's train_gpt.py, in file order."""
     up_docs = "{16384: 64, 32768: 96, 49152: 128}"
     new_docs = "{" + ", ".join(f"{t}: {opts.max_docs[t]}" for t in TRAIN_SHAPES) + "}"
@@ -195,8 +218,9 @@ def train_patches(opts: BenchOptions) -> list[Patch]:
               f"--val-tokens must be a multiple of it ({VAL_BATCH_SIZE:,})"),
         Patch("scheduled", "num_scheduled_iterations: int = 1270",
               f"num_scheduled_iterations: int = {opts.scheduled}  {TAG} upstream 1270 |", "short schedule"),
-        Patch("extension", "num_extension_iterations: int = 15",
-              f"num_extension_iterations: int = {opts.extension}  {TAG} upstream 15 |", "short schedule"),
+        Patch("extension", target.extension_anchor,
+              f"num_extension_iterations: int = {opts.extension}  {TAG} upstream {target.extension_default} |",
+              "short schedule"),
         Patch("val-every", "val_loss_every: int = 250",
               f"val_loss_every: int = {opts.val_every}  {TAG} upstream 250 |", "no mid-run validations"),
         Patch("nvidia-smi",
@@ -209,7 +233,7 @@ def train_patches(opts: BenchOptions) -> list[Patch]:
     ]
     patches.append(stage_marks_patch(opts))
     if opts.profile_steps:
-        patches += profile_patches(opts.profile_start, opts.profile_steps, opts.profile_device_only)
+        patches += profile_patches(opts.profile_start, opts.profile_steps, opts.profile_device_only, target)
     return patches
 
 
@@ -233,7 +257,7 @@ def stage_marks_patch(opts: BenchOptions) -> Patch:
 PROFILE_FILE = "upstream_kernels.json"
 
 
-def profile_patches(start: int, count: int, device_only: bool = False) -> list[Patch]:
+def profile_patches(start: int, count: int, device_only: bool = False, target: Upstream = F411B3D) -> list[Patch]:
     """torch.profiler around optimizer steps ``start .. start+count-1``; rank 0 writes every CUDA
     kernel's calls and total µs to ``upstream_kernels.json`` in the working directory, in the
     format of the ``kernels`` table of ``speedrun profile``'s profile.json (so
@@ -256,7 +280,7 @@ def profile_patches(start: int, count: int, device_only: bool = False) -> list[P
            f"            _speedrun_sys.path.insert(0, {str(REPO)!r})\n"
            "            from speedrun.evidence.profile import gpu_timeline, kernel_table\n"
            "            _speedrun_events = _speedrun_prof.events()\n"
-           f"            _speedrun_out = {{'arm': 'upstream-f411b3d', 'steps': {count}, 'first_step': {start},\n"
+           f"            _speedrun_out = {{'arm': 'upstream-{target.commit}', 'steps': {count}, 'first_step': {start},\n"
            f"                             'device_only': {device_only!r}, 'kernels': kernel_table(_speedrun_events)}}\n"
            f"            if {device_only!r}:\n"
            "                _speedrun_out['timeline'] = gpu_timeline(_speedrun_events)\n"
@@ -264,10 +288,12 @@ def profile_patches(start: int, count: int, device_only: bool = False) -> list[P
            "                _speedrun_json.dump(_speedrun_out, _f)\n"
            "        del _speedrun_prof\n")
     train_anchor = "    # --------------- TRAINING SECTION -----------------\n"
-    step_anchor = "    model.quantize_mlp_fp8(bootstrap_down=(step < 16))\n"
+    step_anchor = target.step_anchor
+    split = len(step_anchor) if target.step_anchor_split is None else target.step_anchor_split
     return [
         Patch("profile-start", train_anchor, begin + train_anchor, "per-kernel comparison with our profile"),
-        Patch("profile-stop", step_anchor, step_anchor + end, "per-kernel comparison with our profile"),
+        Patch("profile-stop", step_anchor, step_anchor[:split] + end + step_anchor[split:],
+              "per-kernel comparison with our profile"),
     ]
 
 
@@ -279,7 +305,7 @@ def aligned_copy(name: str) -> str:
     return f"torch.cat([{name}.reshape(1), {name}.new_zeros(3)])[:1]"
 
 
-def kernel_patches() -> list[Patch]:
+def kernel_patches(target: Upstream = F411B3D) -> list[Patch]:
     """The patches for upstream's triton_kernels.py."""
     why = ("torch 2.11's cuBLASLt refuses FP8 scale pointers that are not 16-byte aligned "
            "(CUBLAS_STATUS_NOT_SUPPORTED); upstream passes per-layer views (scales[i:i+1]) into one buffer")
@@ -288,50 +314,53 @@ def kernel_patches() -> list[Patch]:
               f"                scale_a={aligned_copy('activation_scale')},  {TAG} upstream activation_scale (unaligned view)\n", why),
         Patch("aligned-w2-scale", "                scale_b=W2_scale,\n",
               f"                scale_b={aligned_copy('W2_scale')},  {TAG} upstream W2_scale (unaligned view)\n", why),
+        *target.kernel_patches,
     ]
 
 
-def patch_kernels(text: str) -> tuple[str, list[Patch]]:
+def patch_kernels(text: str, target: Upstream = F411B3D) -> tuple[str, list[Patch]]:
     """Patched triton_kernels.py text and the patches applied."""
-    patches = kernel_patches()
-    out = apply_patches(text, patches, "triton_kernels.py")
+    patches = kernel_patches(target)
+    out = apply_patches(text, patches, "triton_kernels.py", target.commit)
     compile(out, "triton_kernels.py", "exec")
     return out, patches
 
 
-def apply_patches(text: str, patches: list[Patch], filename: str) -> str:
-    """Apply each patch in turn; raise :class:`PatchError` naming the first anchor not found exactly once."""
+def apply_patches(text: str, patches: list[Patch], filename: str, commit: str = UPSTREAM_COMMIT) -> str:
+    """Apply each patch in turn; raise :class:`PatchError` naming the first anchor not found exactly
+    as often as the patch expects (once, unless its ``count`` says otherwise)."""
     for p in patches:
         n = text.count(p.anchor)
-        if n != 1:
+        if n != p.count:
             found = "not found" if n == 0 else f"found {n} times"
+            expected = "" if p.count == 1 else f" (expected {p.count})"
             raise PatchError(
-                f"upstream differs from {UPSTREAM_COMMIT} at {filename} [{p.name}]: anchor {found}: {p.anchor!r}"
+                f"upstream differs from {commit} at {filename} [{p.name}]: anchor {found}{expected}: {p.anchor!r}"
             )
         if p.replacement is not None:
             text = text.replace(p.anchor, p.replacement)
     return text
 
 
-def check_attention_uses(text: str, filename: str = "train_gpt.py") -> None:
+def check_attention_uses(text: str, filename: str = "train_gpt.py", commit: str = UPSTREAM_COMMIT) -> None:
     """Fail unless every ``flash_attn_interface.X`` upstream uses is one the shim provides."""
     used = set(re.findall(r"\bflash_attn_interface\.(\w+)", text))
     missing = used - SHIMMED_ATTRS
     if missing:
         raise PatchError(f"{filename} uses flash_attn_interface.{sorted(missing)}, which fa3_shim does not provide")
     if not used:
-        raise PatchError(f"upstream differs from {UPSTREAM_COMMIT} at {filename}: no flash_attn_interface call found")
+        raise PatchError(f"upstream differs from {commit} at {filename}: no flash_attn_interface call found")
     for leftover in ("get_kernel", "from kernels import", "import kernels"):
         if leftover in text:
             raise PatchError(f"{filename} still refers to {leftover!r} after patching")
 
 
-def patch_train(text: str, opts: BenchOptions) -> tuple[str, list[Patch]]:
+def patch_train(text: str, opts: BenchOptions, target: Upstream = F411B3D) -> tuple[str, list[Patch]]:
     """Patched train_gpt.py text and the patches applied."""
     validate(opts)
-    patches = train_patches(opts)
-    out = apply_patches(text, patches, "train_gpt.py")
-    check_attention_uses(out)
+    patches = train_patches(opts, target)
+    out = apply_patches(text, patches, "train_gpt.py", target.commit)
+    check_attention_uses(out, commit=target.commit)
     compile(out, "train_gpt.py", "exec")  # a patch that breaks the syntax fails here, not on the GPU
     return out, patches
 
@@ -351,10 +380,10 @@ def find_sources(src: Path) -> dict[str, Path]:
     return found
 
 
-def write_outdir(sources: dict[str, Path], out: Path, opts: BenchOptions) -> list[Patch]:
+def write_outdir(sources: dict[str, Path], out: Path, opts: BenchOptions, target: Upstream = F411B3D) -> list[Patch]:
     """Write the patched train_gpt.py, the two kernel files, fa3_shim.py and bench_config.json."""
-    train, patches = patch_train(sources["train_gpt.py"].read_text(), opts)
-    kernels, kpatches = patch_kernels(sources["triton_kernels.py"].read_text())
+    train, patches = patch_train(sources["train_gpt.py"].read_text(), opts, target)
+    kernels, kpatches = patch_kernels(sources["triton_kernels.py"].read_text(), target)
     patches = patches + kpatches
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_gpt.py").write_text(train)
@@ -364,7 +393,7 @@ def write_outdir(sources: dict[str, Path], out: Path, opts: BenchOptions) -> lis
             shutil.copyfile(sources[name], out / name)
     shutil.copyfile(SHIM, out / SHIM.name)
     config = {
-        "upstream_commit": UPSTREAM_COMMIT,
+        "upstream_commit": target.commit,
         **{k: v for k, v in asdict(opts).items() if k != "max_docs"},
         "max_docs": {str(k): v for k, v in opts.max_docs.items()},
         "stage_starts": opts.stage_starts(),
@@ -386,15 +415,16 @@ def parse_max_docs(spec: str) -> dict[int, int]:
         raise argparse.ArgumentTypeError(f"bad --max-docs {spec!r}: use N or 16384:N,32768:N,49152:N") from None
 
 
-def summary(patches: list[Patch], opts: BenchOptions, out: Path) -> str:
+def summary(patches: list[Patch], opts: BenchOptions, out: Path, target: Upstream = F411B3D) -> str:
     """Human-readable account of what was changed, for the run's log."""
-    lines = [f"patched upstream {UPSTREAM_COMMIT} -> {out}"]
+    lines = [f"patched upstream {target.commit} -> {out}"]
     for p in patches:
         if p.replacement is None:
             lines.append(f"  checked  {p.name:15s} {p.why}")
         else:
             new = p.replacement.strip().splitlines()[0]
-            lines.append(f"  patched  {p.name:15s} {new}\n           {'':15s} why: {p.why}")
+            times = "" if p.count == 1 else f" (x{p.count})"
+            lines.append(f"  patched  {p.name:15s} {new}{times}\n           {'':15s} why: {p.why}")
     starts = opts.stage_starts()
     lines.append(f"  schedule: stages start at steps {starts[:3]}, extension at {starts[3]}, "
                  f"{opts.scheduled + opts.extension} steps in all")
@@ -404,8 +434,8 @@ def summary(patches: list[Patch], opts: BenchOptions, out: Path) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
     ap.add_argument("--src", required=True, type=Path, help="folder with upstream's three files")
     ap.add_argument("--out", required=True, type=Path, help="folder to write the runnable copy into")
     ap.add_argument("--scheduled", type=int, default=BenchOptions.scheduled, help="num_scheduled_iterations")
@@ -432,8 +462,8 @@ def parse_profile(spec: str) -> tuple[int, int]:
     return start, count
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, target: Upstream = F411B3D, description: str | None = None) -> int:
+    args = build_parser(description).parse_args(argv)
     opts = BenchOptions(scheduled=args.scheduled, extension=args.extension, val_tokens=args.val_tokens,
                         val_every=args.val_every, train_files=args.train_files, val_files=args.val_files,
                         profile_start=args.profile[0], profile_steps=args.profile[1],
@@ -441,11 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_docs is not None:
         opts.max_docs = args.max_docs
     try:
-        patches = write_outdir(find_sources(args.src), args.out, opts)
+        patches = write_outdir(find_sources(args.src), args.out, opts, target)
     except PatchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(summary(patches, opts, args.out))
+    print(summary(patches, opts, args.out, target))
     return 0
 
 

@@ -11,10 +11,14 @@
 # Writes to $OUT: upstream_patch.txt, upstream_stdout.txt, upstream_log.txt (logs/<uuid>.txt),
 # bench_config.json, upstream_steps.json (median ms per optimizer step per stage), and
 # upstream_clocks.csv + upstream_stage_marks.txt (SM clock and power per stage: gpu_clocks.py).
+# The same script runs upstream PR #344 (benchmarks/upstream_pr344.sh sets the three variables below).
 set -u
 R=$(pwd)
 OUT=${OUT:-$R/bench_out}
 UP=${UP_DIR:-/tmp/up}
+PATCHER=${PATCHER:-$R/benchmarks/upstream_f411b3d.py}   # which patcher (which upstream commit)
+UP_SRC=${UP_SRC:-$R/.carry/upstream}                    # that commit's three files
+TIKTOKEN_DIR=${TIKTOKEN_DIR:-$R/.carry/upstream/tiktoken_cache}
 DATA=${DATA_DIR:-/tmp/webmix}
 WAIT_S=${WAIT_S:-540}
 mkdir -p "$OUT"
@@ -32,13 +36,13 @@ decompress() {  # python's lzma: no dependence on the xz tool being installed
 
 start_run() {
   decompress || return 1
-  python3 "$R/benchmarks/upstream_f411b3d.py" --src "$R/.carry/upstream" --out "$UP" \
+  python3 "$PATCHER" --src "$UP_SRC" --out "$UP" \
     --train-files "$DATA/webmix_train_*.bin" --val-files "$DATA/webmix_val_*.bin" "$@" | tee "$OUT/upstream_patch.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || return 1
   touch "$UP/started"
   # setsid: a new session outlives the device call; torch.distributed.run == torchrun.  The SM
   # clock and power log runs as long as the training (stage_marks.txt splits it by stage).
-  (cd "$UP" && TIKTOKEN_CACHE_DIR="$R/.carry/upstream/tiktoken_cache" PYTHONUNBUFFERED=1 setsid nohup bash -c \
+  (cd "$UP" && TIKTOKEN_CACHE_DIR="$TIKTOKEN_DIR" PYTHONUNBUFFERED=1 setsid nohup bash -c \
      'nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 250 \
         > clocks.csv 2>&1 & L=$!
       python3 -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt.py > stdout.txt 2>&1; echo $? > rc

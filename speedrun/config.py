@@ -418,8 +418,26 @@ def candidate() -> RunConfig:
     return cfg
 
 
+def tiny_candidate() -> RunConfig:
+    """The candidate's code path shrunk for a CPU as ``tiny-record`` shrinks the record's: Q/K heads
+    12 wide (V 16), the candidate's switches (packed FP8 QKV, fused QK-prep handing its e5m2
+    gradient over, FP8 across the MLP, delayed input scaling), and its extension scaled alike
+    (96 + 18 steps).  Without a GPU its Triton kernels run in Triton's interpreter
+    (``TRITON_INTERPRET=1``): slow, but the candidate's own kernels end to end."""
+    cfg = tiny_record()
+    cand = candidate().model
+    cfg.name = "tiny-candidate"
+    cfg.model.qk_head_dim = 12
+    for field in ("qkv_path", "kernels", "fp8_input_scaling", "qk_prep_fp8_grad", "mlp_input_quant", "mlp_weight_grad"):
+        setattr(cfg.model, field, getattr(cand, field))
+    cfg.train.num_extension = 18
+    cfg.train.steps = 114
+    return cfg
+
+
 PRESETS: dict[str, typing.Callable[[], RunConfig]] = {
     "tiny": tiny, "small": small, "record": record, "tiny-record": tiny_record, "candidate": candidate,
+    "tiny-candidate": tiny_candidate,
 }
 
 

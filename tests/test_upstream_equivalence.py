@@ -290,7 +290,8 @@ def test_optimizer_steps_match_upstream(upstream_src):
     Adam's weights must agree."""
     from speedrun.optim.normuon import NorMuonAndAdam, OptimizerHyper, record_param_table
     from speedrun.optim.schedule import RecordSchedule
-    from upstream_model import exec_upstream, load_upstream_optimizer, load_upstream_schedule
+    from upstream_model import (exec_upstream, load_upstream_optimizer, load_upstream_schedule,
+                                upstream_optimizer_arguments)
 
     cfg = ModelConfig(vocab_size=VOCAB, num_layers=L, model_dim=96, num_heads=H, qk_head_dim=16, v_head_dim=16,
                       architecture="record")
@@ -323,7 +324,7 @@ def test_optimizer_steps_match_upstream(upstream_src):
     manager = SimpleNamespace(optimizer=None, split_step=sched_up.training_schedule.split_step,
                               _is_adam_step=lambda step: step % 2 == 1)
     manager.optimizer = up_opt.NorMuonAndAdam([(q.label, q) for q in theirs.values()],
-                                              **_upstream_optimizer_arguments(tm_ns["TrainingManager"]))
+                                              **upstream_optimizer_arguments(tm_ns["TrainingManager"]))
 
     g = torch.Generator().manual_seed(0)
     for step in range(844, 852):
@@ -361,31 +362,6 @@ def _assert_same_adam_weights(mine: torch.Tensor, ref: torch.Tensor, what: str) 
         return
     steps = (mine.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
     assert steps.max() <= 1 and (steps > 0).float().mean() < 1e-3, (what, steps.max().item(), steps.float().mean().item())
-
-
-def _upstream_optimizer_arguments(manager_cls) -> dict:
-    """The keyword arguments upstream's ``TrainingManager.__init__`` builds its optimizer with
-    (param table, scatter and work orders, Adam and NorMuon defaults: literals there), captured by
-    running it up to that call."""
-    captured = {}
-
-    class Captured(Exception):
-        pass
-
-    def capture(named_params, **kwargs):
-        captured.update(kwargs)
-        raise Captured
-
-    init = manager_cls.__init__
-    saved = init.__globals__.get("NorMuonAndAdam")
-    init.__globals__["NorMuonAndAdam"] = capture
-    try:
-        init(SimpleNamespace(), SimpleNamespace(named_parameters=lambda: []))
-    except Captured:
-        pass
-    finally:
-        init.__globals__["NorMuonAndAdam"] = saved
-    return captured
 
 
 # ----------------------------------------------------------------------------------------------

@@ -140,9 +140,10 @@ def exec_upstream(src: Path, names: tuple[str, ...], env: dict, *, strip_compile
     return ns
 
 
-def load_upstream_gpt(src: Path, *, bigram_vocab_size: int, val_batch_size: int = 8192) -> SimpleNamespace:
+def load_upstream_gpt(src: Path, *, bigram_vocab_size: int, val_batch_size: int = 8192, **hyper) -> SimpleNamespace:
     """The namespace of upstream's model definitions (``GPT``, ``ForwardScheduleConfig``,
-    ``get_bigram_hash``, ``args``, ...), ready to build a CPU model in evaluation mode."""
+    ``get_bigram_hash``, ``args``, ...), ready to build a CPU model in evaluation mode.  ``hyper``:
+    further ``Hyperparameters`` fields (e.g. ``bigram_dim``, ``bigram_sign_table_rows``)."""
     sys.path.insert(0, str(src))
     try:
         dc_module = _load_file_module("upstream_dc_triton_kernels", src / "dc_triton_kernels.py")
@@ -155,7 +156,7 @@ def load_upstream_gpt(src: Path, *, bigram_vocab_size: int, val_batch_size: int 
         dc_attention_postonly_nodd_correction_add_base_triton=_dc_correction(dc_module),
         ReLUSqrdMLP=relu2_mlp_reference,
     ))
-    ns["args"] = ns["Hyperparameters"](bigram_vocab_size=bigram_vocab_size, val_batch_size=val_batch_size)
+    ns["args"] = ns["Hyperparameters"](bigram_vocab_size=bigram_vocab_size, val_batch_size=val_batch_size, **hyper)
     return SimpleNamespace(**ns)
 
 
@@ -216,3 +217,28 @@ def load_upstream_loader(src: Path, *, bigram_vocab_size: int) -> SimpleNamespac
                             dist=SimpleNamespace(is_initialized=lambda: False)))
     ns["args"] = ns["Hyperparameters"](bigram_vocab_size=bigram_vocab_size)
     return SimpleNamespace(**ns)
+
+
+def upstream_optimizer_arguments(manager_cls) -> dict:
+    """The keyword arguments upstream's ``TrainingManager.__init__`` builds its optimizer with
+    (param table, scatter and work orders, Adam and NorMuon defaults: literals there), captured by
+    running it up to that call."""
+    captured = {}
+
+    class Captured(Exception):
+        pass
+
+    def capture(named_params, **kwargs):
+        captured.update(kwargs)
+        raise Captured
+
+    init = manager_cls.__init__
+    saved = init.__globals__.get("NorMuonAndAdam")
+    init.__globals__["NorMuonAndAdam"] = capture
+    try:
+        init(SimpleNamespace(), SimpleNamespace(named_parameters=lambda: []))
+    except Captured:
+        pass
+    finally:
+        init.__globals__["NorMuonAndAdam"] = saved
+    return captured
