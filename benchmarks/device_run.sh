@@ -92,20 +92,25 @@ for part in $parts; do
       # HOST_STEPS (default 5): steps per arm traced phase by phase (host, GPU, lead); SYNC_SCAN=0 skips the scan.
       # CHAIN (default 1): steps back to back per timed sample (--chain; >1 is comparable with upstream's
       # logs; "1,3" times every arm both ways in the same rounds, paired).
+      # AS_RANK_OF=N: every arm runs rank 0's share of an N-GPU step (--as-rank-of; collectives as
+      # no-ops), files bench_step_rankN_stageS.json, projected as an N-GPU run.
       BENCH_ARMS=${BENCH_ARMS:-base=record cand=candidate}
       log "bench step, interleaved: $BENCH_ARMS"
       arms=""; for a in $BENCH_ARMS; do arms="$arms --arm $a"; done
       for stage in ${STAGES:-0 1 2}; do
         timeout "$(left 550)" python3 -m speedrun bench step $arms --stage $stage \
           --steps "${BENCH_STEPS:-20}" --warmup 3 --set train.max_docs=256 --host-steps "${HOST_STEPS:-5}" --chain "${CHAIN:-1}" \
-          $([ "${SYNC_SCAN:-1}" = 1 ] && echo --sync-scan) \
-          --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --json "$OUT/bench_step_stage$stage.json" 2>&1 | tail -30
+          $([ "${SYNC_SCAN:-1}" = 1 ] && echo --sync-scan) ${AS_RANK_OF:+--as-rank-of $AS_RANK_OF} \
+          --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" \
+          --json "$OUT/bench_step${AS_RANK_OF:+_rank$AS_RANK_OF}_stage$stage.json" 2>&1 | tail -30
       done  # (the bench samples each arm's SM clock and power itself: its table's "GPU clocks")
       # every stage benched: each arm's whole-run time from its own schedule
-      set -- "$OUT"/bench_step_stage*.json
-      [ "$#" -ge 3 ] && python3 -m speedrun bench project "$@" --json "$OUT/projection.json" 2>&1 | tail -12
-      # every arm / upstream per benched stage, when upstream ran on this machine
-      for f in "$@"; do vs_upstream "$f" 20; done ;;
+      set -- "$OUT"/bench_step${AS_RANK_OF:+_rank$AS_RANK_OF}_stage*.json
+      [ "$#" -ge 3 ] && python3 -m speedrun bench project "$@" \
+        --json "$OUT/projection${AS_RANK_OF:+_rank$AS_RANK_OF}.json" 2>&1 | tail -14
+      # every arm / upstream per benched stage, when upstream ran on this machine (one GPU's whole
+      # step, so not for a simulated rank)
+      if [ -z "${AS_RANK_OF:-}" ]; then for f in "$@"; do vs_upstream "$f" 20; done; fi ;;
     profile)
       # PROFILE_ARMS: which presets; PROFILE_STAGE: the stage index whose shapes are profiled (default 2);
       # PROFILE_DEVICE_ONLY=1: GPU activity alone (the timeline's idle gaps near an unprofiled step's,

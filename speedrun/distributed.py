@@ -18,10 +18,15 @@ from speedrun.errors import ConfigError
 
 @dataclass(frozen=True)
 class DistInfo:
+    """This process's place among the ranks.  ``simulated``: one process stands in for rank
+    ``rank`` of ``world_size`` (``speedrun bench step --as-rank-of``, see :func:`simulated_rank`):
+    no process group exists, so ``enabled`` is False and every collective here is a no-op."""
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    simulated: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -29,7 +34,8 @@ class DistInfo:
 
     @property
     def enabled(self) -> bool:
-        return self.world_size > 1
+        """A process group of several ranks is running (never for a simulated rank)."""
+        return self.world_size > 1 and not self.simulated
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
@@ -57,6 +63,20 @@ def setup(device_name: str = "auto") -> DistInfo:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
     return DistInfo(rank=rank, world_size=world, local_rank=local, device=device)
+
+
+def simulated_rank(info: DistInfo, world_size: int, rank: int = 0) -> DistInfo:
+    """``info`` (a single process) as rank ``rank`` of a simulated ``world_size``-rank run: the
+    micro-batching, the loader's slice and the optimizer's shards of that rank, with collectives
+    replaced by no-ops (:class:`speedrun.optim.simcomms.SimulatedComms`)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"a simulated world needs a whole number of ranks >= 1, got {world_size!r}")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is not in [0, {world_size})")
+    if info.enabled:
+        raise ConfigError(f"simulating rank {rank} of {world_size} needs one process; this one is rank "
+                          f"{info.rank} of {info.world_size} under torchrun")
+    return DistInfo(rank=rank, world_size=world_size, local_rank=info.local_rank, device=info.device, simulated=True)
 
 
 def teardown() -> None:

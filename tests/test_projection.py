@@ -86,3 +86,43 @@ def test_configs_saved_by_older_versions_still_load():
     with pytest.warns(RuntimeWarning, match="dc_keys"):
         with pytest.raises(ConfigError, match="stage 1"):
             project([dict(doc, _path="a")])
+
+
+def test_projection_carries_the_world_and_refuses_to_mix_worlds(tmp_path, capsys):
+    """Files of 'bench step --as-rank-of N' project an N-GPU run (the world is carried and
+    printed); files of different worlds, simulated or real, are refused."""
+    from speedrun.evidence.projection import render
+
+    base, cand = _arms()
+
+    def doc(stage, world=None, real=1):
+        d = _bench(stage, {"base": (base, [300.0 + stage] * 20), "cand": (cand, [280.0 + stage] * 20)})
+        d.update(world_size=real, simulated_world=world, _path=f"s{stage}-{world}-{real}")
+        return d
+
+    r8 = [doc(s, 8) for s in range(3)]
+    res = project(r8, n_boot=100)
+    assert (res["world_size"], res["simulated"]) == (8, True)
+    assert res["world"] == "rank 0 of 8 simulated (collectives replaced by no-ops)"
+    text = render(res)
+    assert "a run on 8 GPUs, from rank 0 of 8 simulated" in text
+    assert "rank 0 of 8 simulated (collectives replaced by no-ops)" in text
+    assert project(r8, n_boot=100, as_rank_of=8)["arms"][0]["seconds"] == res["arms"][0]["seconds"]
+    with pytest.raises(ConfigError, match="--as-rank-of 4: the files are from rank 0 of 8 simulated"):
+        project(r8, as_rank_of=4)
+    with pytest.raises(ConfigError, match="different worlds.*s1-4-1: rank 0 of 4 simulated"):
+        project([r8[0], doc(1, 4), r8[2]])
+    with pytest.raises(ConfigError, match="different worlds.*s2-None-8: 8 processes"):
+        project([r8[0], r8[1], doc(2, None, 8)])  # a real 8-rank bench beside simulated ones
+    one = project([doc(s) for s in range(3)], n_boot=100)
+    assert (one["world_size"], one["simulated"]) == (1, False) and "benched on 1 process" in render(one)
+    legacy = [dict(_bench(s, {"base": (base, [1.0] * 20)}), _path=str(s)) for s in range(3)]
+    assert project(legacy, n_boot=100)["world_size"] == 1  # files from before the world was recorded
+
+    paths = []
+    for d in [r8[0], doc(1, 2), r8[2]]:
+        p = tmp_path / f"{d['_path']}.json"
+        p.write_text(json.dumps({k: v for k, v in d.items() if k != "_path"}))
+        paths.append(str(p))
+    assert main(["bench", "project", *paths]) == 2
+    assert "rank 0 of 2 simulated" in capsys.readouterr().err

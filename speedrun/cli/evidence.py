@@ -144,6 +144,14 @@ survives (train.gc_freeze, on by default, as in `speedrun train`), so a full col
 compiled graphs cannot stall a random timed step; the collections that still run are counted per
 arm (count by generation, ms per step, longest pause).  Every arm must use the same gc_freeze.
 
+No multi-GPU machine?  --as-rank-of N runs, on one device, exactly rank 0's share of an N-GPU
+step: the micro-batches one rank of N runs (train.grad_accum=0: 8 // N of stage batch / 8 tokens
+each), its slice of the data, and its 1/N of NorMuon + Adam (Polar Express and the Adam tables at
+the N-rank shapes), with every collective replaced by a no-op that returns a tensor of the right
+shape.  The table says "rank 0 of N simulated (collectives replaced by no-ops)"; a step time is
+one GPU's compute, without the communication (or waits for slower ranks) of a real N-GPU step.
+'bench project' of such files projects the whole N-GPU run.
+
 arm syntax: NAME=PRESET[:SECTION.FIELD=VALUE,SECTION.FIELD=VALUE,...]  (a bare PRESET names the
 arm after the preset; --set applies to every arm before the arm's own overrides)
 
@@ -152,6 +160,8 @@ examples:
   speedrun bench step --arm base=small --arm nocomp=small:train.compile=false \\
       --data 'data/fineweb10B/fineweb_train_*.bin' --stage 0 --steps 30 --json bench.json
   torchrun --standalone --nproc_per_node=8 -m speedrun bench step --arm a=small --arm b=small:... --data ...
+  speedrun bench step --arm rec=record --arm cand=candidate --stage 0 --as-rank-of 8 \\
+      --data ... --json rank8_stage0.json          (one GPU: what each GPU of 8 computes per step)
 """
 
 _PROJECT_EPILOG = """\
@@ -166,6 +176,10 @@ examples:
   for s in 0 1 2; do speedrun bench step --arm base=record --arm cand=candidate --stage $s \
       --data ... --json bench_stage$s.json; done
   speedrun bench project bench_stage0.json bench_stage1.json bench_stage2.json
+
+Files from 'bench step --as-rank-of N' project an N-GPU run (communication not included); the
+table says so.  Every file must come from the same world, simulated or real: files of different
+N are refused.
 """
 
 _COMPARE_EPILOG = """\
@@ -240,6 +254,11 @@ def _add_bench(sub) -> None:
                         "several (1,3) time every arm both ways in the same rounds, as ARM and ARM@3")
     p.add_argument("--no-clocks", dest="clocks", action="store_false",
                    help="do not sample the GPU's SM clock, power and temperature during the timed steps")
+    p.add_argument("--as-rank-of", type=int, default=None, metavar="N",
+                   help="run rank 0's share of an N-GPU step on this one device: its micro-batches (one of "
+                        "the per-rank size at N=8 with grad_accum=0), its loader slice and its 1/N of the "
+                        "optimizer, with every collective replaced by a no-op (for 'bench project' of an "
+                        "N-GPU run; communication time not included)")
     p.add_argument("--sync-scan", action="store_true",
                    help="one more step per arm under torch's sync debug mode: list the calls that "
                         "synchronise with the GPU, with our code's lines (CUDA)")
@@ -254,6 +273,9 @@ def _add_bench(sub) -> None:
                    help="'speedrun bench step --json' files, one per stage, with the same arms")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the projection as JSON")
     p.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples for the intervals (default 2000)")
+    p.add_argument("--as-rank-of", type=int, default=None, metavar="N",
+                   help="require files from 'bench step --as-rank-of N' (a simulated rank of N); without it "
+                        "the files' own world size is used (every file must have the same)")
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resampling (default 0)")
     p.set_defaults(func=_bench_project)
     bench.set_defaults(func=lambda args: bench.print_help() or 2)

@@ -9,7 +9,9 @@ same one (the fifteenth device session saw a fixed order confound a 2% differenc
 timed from an idle device: synchronize, record a CUDA event, run
 :func:`~speedrun.train.loop.run_step` (all ``grad_accum`` micro-batches, the gradient
 all-reduce and the optimizer update of the run's recipe), record a second event, synchronize.  On the CPU the step is
-timed with ``time.perf_counter``.  ``chain`` K > 1 issues K steps back to back per sample and
+timed with ``time.perf_counter``.  ``--as-rank-of N`` (``simulate_world``) runs rank 0's share of an
+N-rank step in this one process, collectives replaced by no-ops (:mod:`speedrun.optim.simcomms`),
+to project an N-GPU step on one GPU.  ``chain`` K > 1 issues K steps back to back per sample and
 reports their mean, the host free to run ahead into the next step as in a training run that does
 not synchronize per step.  Under torchrun every rank times its steps and a step's time is
 the maximum over ranks (the slowest rank sets the pace).
@@ -103,17 +105,25 @@ class Session:
         self.loader.close()
 
 
-def build_session(name: str, cfg: RunConfig, stage_index: int, info) -> Session:
+def build_session(name: str, cfg: RunConfig, stage_index: int, info, simulate_world: int | None = None) -> Session:
     """Build ``cfg``'s model, recipe and a loader at ``stages_of(cfg)[stage_index]``'s shapes,
-    the way :func:`speedrun.train.loop.train` builds them."""
+    the way :func:`speedrun.train.loop.train` builds them.
+
+    ``simulate_world`` N: build rank 0 of an N-rank run in this one process instead
+    (:func:`speedrun.distributed.simulated_rank`): its micro-batches, its loader slice and its 1/N
+    of the optimizer, collectives replaced by no-ops (:mod:`speedrun.optim.simcomms`)."""
     from speedrun.data import TrainLoader
     from speedrun.model import build_model
     from speedrun.train.graphs import StepGraphs, graphs_enabled
-    from speedrun.train.loop import compile_model, configure_kernel_launch, micro_batching, resolve_data
+    from speedrun.train.loop import (compile_model, configure_kernel_launch, grad_accum_steps, micro_batching,
+                                     resolve_data)
     from speedrun.train.recipes import build_recipe
 
     cfg.model.validate()
     configure_kernel_launch(cfg)  # refuses a bad train.triton_launch before the build; re-applied per step
+    if simulate_world is not None:
+        info = distributed.simulated_rank(info, simulate_world)
+        grad_accum_steps(cfg, info.world_size)  # refuses a world the split cannot use before building
     device = info.device
     dtype = resolve_dtype(cfg, device)
     train_files, _, tokenizer = resolve_data(cfg)
@@ -286,7 +296,8 @@ def _gather_max(times: list[float], info) -> list[float]:
 def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 0, steps: int = MIN_STEPS,
                warmup: int = 3, common: Sequence[str] = (), seed: int = 0, n_boot: int = 2000,
                progress: bool = False, host_steps: int = 0, sync_scan: bool = False,
-               chain: int | Sequence[int] = 1, clocks: bool = True) -> dict[str, Any]:
+               chain: int | Sequence[int] = 1, clocks: bool = True,
+               simulate_world: int | None = None) -> dict[str, Any]:
     """Time ``steps`` optimizer steps per arm, interleaved, after ``warmup`` untimed steps each.
 
     ``chain``: steps issued back to back per timed sample (see :func:`time_step`); a sample is
@@ -297,6 +308,11 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
     ``(name, RunConfig)`` pairs; the first arm is the baseline of the ratios.  ``stage`` indexes
     ``stages_of(cfg)``.  Returns a JSON-able dict (see :func:`render_table`); every rank returns
     the same numbers.
+
+    ``simulate_world`` N: every arm runs rank 0's share of an N-rank step in this one process
+    (see :func:`build_session`; one micro-batch of the per-rank size under the record's
+    ``grad_accum=0`` at N = 8), so one GPU times what each GPU of an N-GPU run computes, without
+    the collectives' time.  The result says so (``simulated_world``, ``simulation``).
 
     Host side (see :mod:`speedrun.evidence.host`; rank 0's numbers): ``host_steps`` more steps
     per arm, interleaved, traced phase by phase (host issue time, GPU time, how far the GPU trails
@@ -334,7 +350,7 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
     try:
         for name, cfg, _ in configs:
             before = meter.allocated()
-            sessions.append(build_session(name, cfg, stage, info))
+            sessions.append(build_session(name, cfg, stage, info, simulate_world))
             sessions[-1].resident_bytes = meter.allocated() - before
         for s in sessions:
             before = meter.allocated()
@@ -372,6 +388,8 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
             s.close()
     distributed.teardown()
     result = _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info, chains)
+    result["simulated_world"] = simulate_world
+    result["simulation"] = simulation_note(simulate_world)
     result["clocks"] = {"per_arm": sampler.summary() if sampler is not None else {}, "note": clocks_note}
     result["gc"] = {"frozen_objects": frozen,
                     "per_arm": {a["name"]: collections.summary().get(a["name"], CollectionStats().as_dict())
@@ -380,6 +398,13 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
     if info.device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def simulation_note(simulate_world: int | None) -> str | None:
+    """How a simulated-rank bench was run (None for a real one)."""
+    if simulate_world is None:
+        return None
+    return f"rank 0 of {simulate_world} simulated (collectives replaced by no-ops)"
 
 
 def series_name(arm: str, chain: int, chains: Sequence[int]) -> str:
@@ -407,7 +432,7 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
     out_arms = []
     for (arm, cfg, spec), s in zip(configs, sessions):
         st = s.stage
-        mb = micro_batching(st, cfg, info.world_size)
+        mb = micro_batching(st, cfg, s.info.world_size)  # a simulated rank's world, else the real one
         for c in chains:
             name = series_name(arm, c, chains)
             d = describe_times(times[name])
@@ -501,7 +526,11 @@ def render_table(result: dict[str, Any]) -> str:
     head = (f"{'arm':<16} {'median ms':>10} {'q1':>9} {'q3':>9} {'IQR':>8} {'tokens/s':>13} {'peak MiB':>9}"
             f"  ratio vs {base} [95% CI]")
     lines = [f"bench step: stage {result['stage']}, {result['steps']} steps per arm after {result['warmup']} "
-             f"warmup, {result['device']} x{result['world_size']}, {result['timing']}", head, "-" * len(head)]
+             f"warmup, {result['device']} x{result['world_size']}, {result['timing']}"]
+    if result.get("simulation"):  # tokens/s: the N-rank run's, as if its collectives took no time
+        lines.append(f"{result['simulation']}: each arm runs one rank's share of a step of "
+                     f"{result['simulated_world']} ranks; tokens/s is the whole run's")
+    lines += [head, "-" * len(head)]
     for a in result["arms"]:
         r = a.get("vs_" + base)
         ratio = f"{r['ratio']:.4f} [{r['ci_low']:.4f}, {r['ci_high']:.4f}]" if r else "1 (baseline)"
@@ -510,8 +539,10 @@ def render_table(result: dict[str, Any]) -> str:
         lines.append(f"{a['name']:<16} {a['median_ms']:>10.3f} {a['q1_ms']:>9.3f} {a['q3_ms']:>9.3f} "
                      f"{a['iqr_ms']:>8.3f} {a['tokens_per_s']:>13,.0f} {peak_s}  {ratio}")
     splits = {(a.get("grad_accum"), a.get("micro_batch_tokens")) for a in result["arms"]}
-    if len(splits) > 1:  # arms that split the step differently (train.min_micro_batch_tokens)
-        lines.append("micro-batches per step: " + ", ".join(
+    # arms that split the step differently (train.min_micro_batch_tokens), or a simulated rank's split
+    if len(splits) > 1 or result.get("simulation"):
+        lines.append(("micro-batches per step of the simulated rank: " if result.get("simulation")
+                      else "micro-batches per step: ") + ", ".join(
             f"{a['name']} {a.get('grad_accum')} x {a.get('micro_batch_tokens')}" for a in result["arms"]))
     lines += _render_clocks(result)
     lines += _render_collections(result)
@@ -601,7 +632,8 @@ def cli_bench_step(args) -> int:
         + list(args.overrides)
     result = bench_step(arms, stage=args.stage, steps=args.steps, warmup=args.warmup, common=common,
                         seed=args.seed, progress=True, host_steps=args.host_steps, sync_scan=args.sync_scan,
-                        chain=args.chain, clocks=getattr(args, "clocks", True))
+                        chain=args.chain, clocks=getattr(args, "clocks", True),
+                        simulate_world=getattr(args, "as_rank_of", None))
     if result["fingerprint"] is None:  # not rank 0
         return 0
     print(render_table(result), end="")

@@ -17,6 +17,11 @@ summed; a stage timed by another reuses that stage's draws); the ratio of each a
 arm divides the two arms' draws.  Arms are resampled independently, which ignores the pairing of
 the bench's interleaved rounds: the ratio's interval is wider than a paired one, not narrower.
 
+Files from ``speedrun bench step --as-rank-of N`` (rank 0 of N simulated in one process, its
+collectives replaced by no-ops) project an N-GPU run: the sum is then every rank's compute
+without the communication.  The files' world (simulated or real, and its size) is carried into
+the result and printed; files of different worlds are refused, since their steps differ.
+
 What the projection leaves out: compilation and warmup, validation, and how the host runs ahead
 of the GPU between steps in a real run (the bench times one step from an idle GPU unless it was
 given ``--chain``).  It ranks arms; a full training measures them.
@@ -80,15 +85,40 @@ def load_benches(paths: list[Path]) -> list[dict[str, Any]]:
     return docs
 
 
-def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
+def bench_world(doc: dict[str, Any]) -> tuple[int, bool]:
+    """(ranks, simulated) of a bench file: ``simulated_world`` for ``--as-rank-of N`` files, else
+    the processes it ran on (``world_size``; 1 for files that predate the field)."""
+    sim = doc.get("simulated_world")
+    if sim:
+        return int(sim), True
+    return int(doc.get("world_size") or 1), False
+
+
+def describe_world(world: int, simulated: bool) -> str:
+    if simulated:
+        return f"rank 0 of {world} simulated (collectives replaced by no-ops)"
+    return f"{world} process{'es' if world > 1 else ''}"
+
+
+def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
+            as_rank_of: int | None = None) -> dict[str, Any]:
     """Projected whole-run seconds per arm from bench files of several stages (see the module doc).
 
-    Returns ``{"arms": [{"name", "seconds", "ci", "ratio", "ratio_ci", "stages": [...]}, ...],
-    "baseline", "unbenched"}``, arms in the first file's order."""
+    ``as_rank_of`` N: refuse files that are not ``--as-rank-of N`` benches.  Returns ``{"arms":
+    [{"name", "seconds", "ci", "ratio", "ratio_ci", "stages": [...]}, ...], "baseline",
+    "unbenched", "world_size", "simulated", "world"}``, arms in the first file's order."""
     from speedrun.train.recipes import stages_of
 
     if not docs:
         raise ConfigError("project: give at least one bench file")
+    worlds = {bench_world(d) for d in docs}
+    if len(worlds) > 1:
+        raise ConfigError("bench files of different worlds cannot make one run: "
+                          + "; ".join(f"{d['_path']}: {describe_world(*bench_world(d))}" for d in docs))
+    (world, simulated), = worlds
+    if as_rank_of is not None and (world, simulated) != (as_rank_of, True):
+        raise ConfigError(f"--as-rank-of {as_rank_of}: the files are from {describe_world(world, simulated)}, "
+                          f"not from 'bench step --as-rank-of {as_rank_of}'")
     by_stage: dict[int, dict[str, dict]] = {}
     for doc in docs:
         s = int(doc["stage"])
@@ -137,7 +167,8 @@ def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0) -> di
     for arm in out_arms:
         arm["ratio"] = arm["seconds"] / out_arms[0]["seconds"]
         arm["ratio_ci"] = _ci(draws[arm["name"]] / draws[base])
-    return {"arms": out_arms, "baseline": base, "unbenched": unbenched, "n_boot": n_boot}
+    return {"arms": out_arms, "baseline": base, "unbenched": unbenched, "n_boot": n_boot,
+            "world_size": world, "simulated": simulated, "world": describe_world(world, simulated)}
 
 
 def _ci(x: np.ndarray) -> list[float]:
@@ -146,7 +177,13 @@ def _ci(x: np.ndarray) -> list[float]:
 
 def render(res: dict[str, Any]) -> str:
     lines = ["projected training time (sum over stages of steps x median step time; compile, warmup and",
-             "validation not included)", ""]
+             "validation not included)"]
+    if res.get("simulated"):
+        n = res["world_size"]
+        lines.append(f"a run on {n} GPUs, from {res['world']}: every rank's compute, communication not included")
+    elif "world_size" in res:
+        lines.append(f"benched on {res['world']}")
+    lines.append("")
     stages = sorted({r["stage"] for a in res["arms"] for r in a["stages"]})
     head = "| arm | " + " | ".join(f"stage {s}" for s in stages) + " | total s [95% CI] | vs " + res["baseline"] + " [95% CI] |"
     lines += [head, "|" + "---|" * (len(stages) + 3)]
@@ -164,7 +201,8 @@ def cli_project(args) -> int:
     import sys
 
     try:
-        res = project(load_benches(args.files), n_boot=args.n_boot, seed=args.seed)
+        res = project(load_benches(args.files), n_boot=args.n_boot, seed=args.seed,
+                      as_rank_of=getattr(args, "as_rank_of", None))
     except ConfigError as e:
         print(f"speedrun bench project: {e}", file=sys.stderr)
         return 2

@@ -353,6 +353,12 @@ class _Comms:
         dist.all_to_all_single(out, inp.contiguous(), output_split_sizes=out_splits,
                                input_split_sizes=in_splits, group=self.group)
 
+    def exchange_counts(self, send_counts: Tensor) -> Tensor:
+        """int64 (world,): how many items every rank sends this rank, given what this rank sends each."""
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        return recv_counts
+
 
 # ------------------------------------------------------------------------------------------------
 # The optimizer
@@ -387,6 +393,8 @@ class NorMuonAndAdam:
         (V, D); embed's gradient is folded into lm_head's and embed gets lm_head^T until
         :meth:`untie`.
     group: process group (default: the world when torch.distributed is initialised).
+    comms: the communicator itself instead of ``group``'s (e.g.
+        :class:`speedrun.optim.simcomms.SimulatedComms`: one rank of N, collectives as no-ops).
     use_triton: Triton kernels for Polar Express and the Adam update (None: on CUDA; True on CPU
         needs TRITON_INTERPRET=1).
     compile_backend: None, or the ``torch.compile`` backend that fuses NorMuon's elementwise work
@@ -409,6 +417,7 @@ class NorMuonAndAdam:
         group: Any = None,
         use_triton: bool | None = None,
         compile_backend: str | None = None,
+        comms: _Comms | None = None,
     ):
         params = dict(params)
         table = list(record_param_table() if table is None else table)
@@ -421,7 +430,7 @@ class NorMuonAndAdam:
         self.schedule = schedule
         self.use_triton = use_triton
         self.compile_backend = compile_backend
-        self.comms = _Comms(group)
+        self.comms = comms if comms is not None else _Comms(group)
         self.order = [s.label for s in table if s.label in params]
         wo = list(work_order) if work_order is not None else list(self.order)
         self.work_order = [lab for lab in wo if lab in params] + [lab for lab in self.order if lab not in wo]
@@ -636,8 +645,7 @@ class NorMuonAndAdam:
         owner = torch.div(rows, chunk, rounding_mode="floor")
         send = rows[owner != rank]  # our own rows are already in our shard of g
         send_counts = torch.bincount(owner[owner != rank], minlength=W).to(torch.int64)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.comms.group)
+        recv_counts = self.comms.exchange_counts(send_counts)
         sc, rc = send_counts.tolist(), recv_counts.tolist()
         recv_rows = torch.empty(sum(rc), dtype=torch.int64, device=g.device)
         self.comms.all_to_all(recv_rows, send, rc, sc)

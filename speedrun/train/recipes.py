@@ -140,6 +140,7 @@ class RecordRecipe:
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, info, tokenizer=None):
         from speedrun.optim.normuon import NorMuonAndAdam, OptimizerHyper, record_param_table
+        from speedrun.optim.simcomms import comms_for
 
         t = cfg.train
         if cfg.model.architecture != "record":
@@ -165,7 +166,8 @@ class RecordRecipe:
         self.optimizer = NorMuonAndAdam(model.parameter_groups(), record_param_table(), hyper=hyper,
                                         schedule=self.schedule, tied=("lm_head", "embed"),
                                         use_triton=kernels[t.optimizer_kernels],
-                                        compile_backend="inductor" if t.optimizer_compile else None)
+                                        compile_backend="inductor" if t.optimizer_compile else None,
+                                        comms=comms_for(info))  # a simulated rank's no-op collectives
         adam = {id(e.param) for e in self.optimizer.entries.values() if e.spec.optim == "adam"}
         self._embeddings_adam_only = all(id(p) in adam for p in model.embedding_grad_params().values())
         self._long_window = None
