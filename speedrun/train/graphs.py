@@ -57,9 +57,13 @@ CAPTURE_ON_SIGHT = 2
 # Steps of one stage before all its keys replay: the first step (no FP8 scale ready yet), then an
 # even and an odd step key, each eager once and captured at its second sight.
 STEPS_UNTIL_REPLAY = 1 + 2 * CAPTURE_ON_SIGHT
-# Relative Frobenius error allowed between the eager run and the replay of the same micro-batches
-# (atomic adds, in the embedding accumulators and attention's backward, sum in another order).
+# Relative Frobenius error always allowed between the eager run and the replay of the same
+# micro-batches, and the multiple of the eager loop's own run-to-run difference allowed beyond it:
+# atomic adds (the embedding accumulators, attention's backward, Inductor's split reductions) sum
+# in another order each run, which moves small gradients with much cancellation (a gate's
+# gradient summed over 131,072 tokens) by more than the floor.
 CHECK_TOLERANCE = 2e-3
+NOISE_FACTOR = 4.0
 
 
 class GraphMismatchError(SpeedrunError, RuntimeError):
@@ -194,6 +198,7 @@ class GraphStats:
     captures: int = 0
     capture_s: float = 0.0
     check_worst: float = 0.0  # largest relative error any self-check saw
+    check_noise: float = 0.0  # largest run-to-run difference of the eager loop the checks saw
     peak_allocated: int = 0  # the device's peak allocation before the self-checks' snapshots (bytes)
     key_changes: list[str] = field(default_factory=list)  # why a known key was missed (first few)
 
@@ -359,6 +364,7 @@ class StepGraphs:
         s = self.stats
         return {"graphs": len(self._steps), "replayed_steps": s.replayed_steps, "eager_steps": s.eager_steps,
                 "captures": s.captures, "capture_s": round(s.capture_s, 3), "check_worst_rel_err": s.check_worst,
+                "check_eager_noise": s.check_noise,
                 "key_changes": list(s.key_changes)}
 
     # -- keys ----------------------------------------------------------------------------------
@@ -457,17 +463,23 @@ class StepGraphs:
             eager_loss = microbatch.accumulate(model, self.recipe, static, gargs, scale, device, self.dtype)
         cap.synchronize()
         received = [(n, p) for n, p in self._params if p.grad is not None]
-        eager = {"loss": eager_loss.clone()}
-        if self.check:
-            eager["state"] = [t.detach().clone() for _, t in state]
-            eager["grads"] = {id(p): p.grad.detach().clone() for _, p in received}
+        names = ["loss"] + [f"{n}.grad" for n, _ in received] + [n for n, _ in state]
+
+        def outputs(loss: torch.Tensor) -> list[torch.Tensor]:
+            return [loss] + [p.grad for _, p in received] + [t for _, t in state]
+
+        eager = [t.detach().clone() for t in outputs(eager_loss)] if self.check else []
+        noise = [0.0] * len(names)
+        if self.check:  # the eager loop again from the same snapshot: its own run-to-run noise
+            self._restore(state, before, host, grads_before)
+            with cap.on_side_stream():
+                again = microbatch.accumulate(model, self.recipe, static, gargs, scale, device, self.dtype)
+            cap.synchronize()
+            noise = [_relative_error(a, b) for a, b in zip(outputs(again), eager)]
 
         # (2) put the snapshot back, gradients into their run-long buffers
-        for (_, t), saved in zip(state, before):
-            t.copy_(saved)
+        self._restore(state, before, host, grads_before)
         del before
-        if host is not None:
-            model.set_graph_host_state(host)
         grads, carried, fresh = [], [], []
         for _, p in received:
             buf = self._grad_buffers.get(id(p))
@@ -499,29 +511,48 @@ class StepGraphs:
 
         # (5) the replay against the eager loop
         if self.check:
-            step.check = self._compare(key, eager, state, received)
+            step.check = self._compare(key, names, outputs(self._loss), eager, noise)
             self.stats.check_worst = max(self.stats.check_worst, step.check["worst_rel_err"])
+            self.stats.check_noise = max(self.stats.check_noise, step.check["worst_eager_noise"])
         del eager, state
         cap.reset_peak()  # the snapshots above are not the run's memory
         self._steps[key] = step
         self.stats.captures += 1
         return step
 
-    def _compare(self, key: StepKey, eager: dict, state: list, received: list) -> dict:
-        pairs = [("loss", self._loss, eager["loss"])]
-        pairs += [(f"{n}.grad", p.grad, eager["grads"][id(p)]) for n, p in received]
-        pairs += [(name, t, saved) for (name, t), saved in zip(state, eager["state"])]
-        worst, exact = 0.0, 0
-        for name, got, want in pairs:
-            err = _relative_error(got, want)
-            if not err <= CHECK_TOLERANCE:  # NaN fails too
+    def _restore(self, state: list, before: list, host, grads_before: dict) -> None:
+        """Put back the snapshot taken before the eager loop: the model's tensors, its host-side
+        bookkeeping and every gradient (None where there was none)."""
+        for (_, t), saved in zip(state, before):
+            t.copy_(saved)
+        if host is not None:
+            self.model.set_graph_host_state(host)
+        for _, p in self._params:
+            old, saved = grads_before[id(p)]
+            if old is not None:
+                old.copy_(saved)
+            p.grad = old
+
+    @staticmethod
+    def _compare(key: StepKey, names: list[str], got: list[torch.Tensor], want: list[torch.Tensor],
+                 noise: list[float]) -> dict:
+        """Each replayed output against the eager loop's: within ``CHECK_TOLERANCE`` or
+        ``NOISE_FACTOR`` times the eager loop's own run-to-run difference (NaN never passes)."""
+        worst = worst_noise = 0.0
+        exact = 0
+        for name, g, w, n in zip(names, got, want, noise):
+            err = _relative_error(g, w)
+            bound = max(CHECK_TOLERANCE, NOISE_FACTOR * n)
+            if not err <= bound:
                 raise GraphMismatchError(
                     f"CUDA graph of the step with {key.count} micro-batch(es) of shapes {key.shapes}, windows "
-                    f"{key.windows}: its replay differs from the eager step in {name} (relative error {err:.3g} > "
-                    f"{CHECK_TOLERANCE}); run with train.cuda_graphs=off and report this")
-            worst = max(worst, err)
-            exact += bool(torch.equal(got, want))
-        return {"compared": len(pairs), "bitwise_equal": exact, "worst_rel_err": worst}
+                    f"{key.windows}: its replay differs from the eager step in {name} (relative error {err:.3g}; "
+                    f"allowed {bound:.3g}, the eager loop's own run-to-run difference there is {n:.3g}); run "
+                    "with train.cuda_graphs=off and report this")
+            worst, worst_noise = max(worst, err), max(worst_noise, n)
+            exact += bool(torch.equal(g, w))
+        return {"compared": len(names), "bitwise_equal": exact, "worst_rel_err": worst,
+                "worst_eager_noise": worst_noise}
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
