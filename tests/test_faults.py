@@ -381,3 +381,68 @@ def test_run_killed_before_its_first_checkpoint_says_what_to_do(tmp_path, capsys
     assert resume(run_folder(tmp_path)) == 2
     err = capsys.readouterr().err
     assert "has no checkpoints to resume from" in err and "train.checkpoint_every_s" in err and "start it again" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 state across a resume (in-process, stop_after = killed right after that step's checkpoint)
+
+FP8_ARMS = {
+    # the record preset's FP8 switches: FP8 head and MLP forward, the MLP input quantised in the
+    # graph, the MLP bank's gradient summed in place, aligned gate GEMMs
+    "record": ("model.kernels=fp8", "model.mlp_input_quant=graph", "model.mlp_weight_grad=accumulate",
+               "model.gate_gemm_align=8"),
+    # the candidate's: packed FP8 QKV, FP8 across the MLP, delayed scaling, e5m2 d qkv from QK-prep
+    "candidate": ("model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_head_dim=16",
+                  "model.fp8_input_scaling=delayed", "model.qk_prep_fp8_grad=true"),
+}
+
+
+def tiny_fp8(tmp_path, arm, *extra):
+    from speedrun.config import apply_overrides, preset
+
+    cfg = preset("tiny-record")
+    apply_overrides(cfg, ["model.num_layers=4", "model.model_dim=32", "model.num_heads=2", "model.qk_head_dim=12",
+                          "train.batch_divisor=1024", "train.steps=8", "train.num_extension=1",
+                          "train.val_tokens=2048", "train.val_every=0", "train.log_every=2", "train.sample_tokens=0",
+                          "train.warmup_steps=1", f"out_dir={tmp_path / 'runs'}", *FP8_ARMS[arm], *extra])
+    return cfg
+
+
+def fp8_resume_matches(tmp_path, arm, stop, *extra):
+    from speedrun.train.loop import train
+
+    whole = train(tiny_fp8(tmp_path, arm, *extra), console=False)
+    cut = train(tiny_fp8(tmp_path, arm, *extra), console=False, stop_after=stop)
+    assert cut.stopped_early
+    saved = torch.load(list_checkpoints(cut.run_dir)[-1], weights_only=False)
+    assert saved["step"] == stop and saved["fp8"][0], "the checkpoint holds FP8 state"
+    resumed = train(tiny_fp8(tmp_path, arm, *extra), run_dir=cut.run_dir, resume=True, console=False)
+    same(final_state(whole.run_dir), final_state(resumed.run_dir))
+    return saved["fp8"][0]
+
+
+@pytest.mark.parametrize("arm", sorted(FP8_ARMS))
+def test_fp8_run_stopped_mid_stage_resumes_exactly(tmp_path, kernels_use_references, one_thread, arm):
+    """Weights, optimizer, loader and the FP8 state itself (weight caches with their amax
+    history, delayed activation scales) equal an uninterrupted run's after a stop mid-stage (step 3
+    of stages starting at 0, 2, 5, 7), with a warmup before both.  PyTorch references of the kernels:
+    the scale bookkeeping is the same code (the interpreter variant below is slow)."""
+    state = fp8_resume_matches(tmp_path, arm, 3)
+    assert "mlp_weights" in state and "mlp_activations" in state
+    if arm == "candidate":
+        assert {"qkv", "qkv_inputs"} <= set(state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arm", ["candidate"])
+def test_fp8_run_resumes_exactly_through_the_triton_interpreter(tmp_path, one_thread, arm):
+    """The same through the Triton kernels themselves (interpreted on the CPU): 5 steps in
+    stages starting at 0, 1, 3, 4, stopped after 2 (inside stage 1), no warmup."""
+    fp8_resume_matches(tmp_path, arm, 2, "train.steps=5", "train.warmup_steps=0", "train.val_tokens=384")
+
+
+def test_shards_are_written_with_the_usual_file_mode(tmp_path):
+    _shards(tmp_path, ["a_train_000.bin"])
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "a_train_000.bin").stat().st_mode & 0o777 == 0o666 & ~mask
