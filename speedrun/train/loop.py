@@ -281,8 +281,6 @@ def _validation_variants(recipe, total_steps: int, val_every: int) -> dict[int, 
     return out
 
 
-
-
 def configure_kernel_launch(cfg: RunConfig) -> None:
     """Apply the process-wide kernel routing: ``train.triton_launch`` (how our Triton kernels are
     launched), ``train.mlp_gemm`` (the ReLU² GEMMs' route), ``train.ce_sigmoid`` (how the CE
@@ -707,7 +705,7 @@ def _train(cfg: RunConfig, start: faults.RunStart, *, run_dir: Path | None, resu
     if teardown:
         distributed.teardown()
     return TrainResult(run_dir, total_steps, last_val, train_ms, sample, stopped, info.rank,
-                       guard.signal_name if guard.stop else "")
+                       guard.signal_name if stopped and guard.stop else "")
 
 
 def stage_time_lines(step_ms: dict[int, list[float]], stages, cfg: RunConfig, skip: int = 2) -> list[str]:
