@@ -234,6 +234,10 @@ def test_finished_run_refuses_resume_and_keeps_its_results(tmp_path, reference, 
     after = {p.name: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
     assert after == before
     same(whole, final_state(folder))
+    # killed after its final checkpoint but before its summary: resuming validates again, loses nothing
+    (folder / "summary.json").unlink()
+    assert resume(folder) == 0
+    same(whole, final_state(folder))
 
 
 def test_finished_run_extends_into_a_new_folder(tmp_path, one_thread):

@@ -614,6 +614,8 @@ def _train(cfg: RunConfig, start: faults.RunStart, *, run_dir: Path | None, resu
     start.began()
     if start_step == 0 and cfg.train.val_every > 0:
         last_val = validate(0)
+    elif start_step >= total_steps:  # stopped after its final checkpoint, before its summary was written
+        last_val = validate(total_steps)
     compiled = cfg.train.compile or cfg.train.optimizer_compile
     compiles_before = _compile_count() if compiled else 0
     frozen = freeze_long_lived() if cfg.train.gc_freeze else 0
