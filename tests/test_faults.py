@@ -231,6 +231,8 @@ def test_finished_run_refuses_resume_and_keeps_its_results(tmp_path, reference, 
     assert "is a finished run (10 steps" in err and "--steps N (N > 10)" in err and len(err.splitlines()) == 1
     assert main(["train", "--resume", str(folder), "--steps", "8"]) == 2
     assert "must exceed the finished run's 10 steps" in capsys.readouterr().err
+    assert main(["train", "--resume", str(folder), "--set", "train.lr=1"]) == 2
+    assert "--set does not apply with --resume" in capsys.readouterr().err
     after = {p.name: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
     assert after == before
     same(whole, final_state(folder))
@@ -385,6 +387,8 @@ def test_run_killed_before_its_first_checkpoint_says_what_to_do(tmp_path, capsys
     assert resume(run_folder(tmp_path)) == 2
     err = capsys.readouterr().err
     assert "has no checkpoints to resume from" in err and "train.checkpoint_every_s" in err and "start it again" in err
+    assert main(["train", "--resume", str(run_folder(tmp_path)), "--steps", "20"]) == 2  # not finished: no extension
+    assert "has not finished: resume it without --steps" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------
