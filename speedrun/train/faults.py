@@ -67,16 +67,24 @@ class RunGuard:
 
     # -- signals -----------------------------------------------------------------------------
 
-    def __enter__(self) -> "RunGuard":
-        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+    def install(self) -> None:
+        """Catch SIGINT and SIGTERM (from the main thread only: Python sets handlers nowhere else)."""
+        if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
-        return self
 
-    def __exit__(self, *exc) -> None:
+    def restore(self) -> None:
+        """Put back the handlers :meth:`install` replaced."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    def __enter__(self) -> "RunGuard":
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
 
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name

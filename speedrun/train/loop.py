@@ -628,7 +628,7 @@ def _train(cfg: RunConfig, start: faults.RunStart, *, run_dir: Path | None, resu
     loss_acc = torch.zeros((), device=device)
     step_ms: dict[int, list[float]] = {i: [] for i in range(len(stages))}
     try:  # the heap is thawed (and the signal handlers restored) however the loop ends
-        guard.__enter__()
+        guard.install()
         for step in range(start_step, total_steps):
             si = recipe.stage_index(step)
             if si != stage_index:
@@ -676,7 +676,7 @@ def _train(cfg: RunConfig, start: faults.RunStart, *, run_dir: Path | None, resu
                 t0 = time.perf_counter()
                 window_start = t0
     finally:
-        guard.__exit__()
+        guard.restore()
         if frozen:
             thaw()
     loader.close()
