@@ -454,3 +454,29 @@ def test_shards_are_written_with_the_usual_file_mode(tmp_path):
     mask = os.umask(0)
     os.umask(mask)
     assert (tmp_path / "a_train_000.bin").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_checkpoint_policy_by_steps_wall_clock_stages_and_signals():
+    from types import SimpleNamespace
+
+    from speedrun.config import preset
+    from speedrun.train.faults import RunGuard
+
+    cfg = preset("tiny")
+    cfg.train.checkpoint_every, cfg.train.checkpoint_every_s = 5, 600.0
+    now = [0.0]
+    guard = RunGuard(cfg, [0, 4, 8], SimpleNamespace(enabled=False), Path("run"), clock=lambda: now[0])
+    assert [d for d in range(1, 11) if guard.checkpoint_due(d, synced=False)] == [4, 5, 8, 10]
+    now[0] = 599.0
+    assert not guard.checkpoint_due(1, synced=False)
+    now[0] = 600.0  # ten minutes since the last checkpoint (here: since the guard began)
+    assert guard.checkpoint_due(1, synced=False)
+    guard.checkpoint_written(Path("run/checkpoints/step_000001.pt"), 1)
+    assert not guard.checkpoint_due(2, synced=False) and not guard.stop
+    guard._on_signal(signal.SIGTERM, None)
+    assert guard.checkpoint_due(2, synced=False) and guard.stop and guard.signal_name == "SIGTERM"
+    with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C does not wait
+        guard._on_signal(signal.SIGINT, None)
+    cfg.train.checkpoint_every, cfg.train.checkpoint_every_s, cfg.train.checkpoint_stages = 0, 0.0, False
+    quiet = RunGuard(cfg, [0, 4, 8], SimpleNamespace(enabled=False), Path("run"), clock=lambda: 1e9)
+    assert not any(quiet.checkpoint_due(d, synced=True) for d in range(1, 11))
