@@ -25,6 +25,15 @@ CE_SIGMOID_CHOICES = ("exact", "tanh")
 # train.ce_grad_layout's values (speedrun.kernels.cross_entropy.GRAD_LAYOUT)
 CE_GRAD_LAYOUT_CHOICES = ("transpose", "dual")
 CUDA_GRAPHS_CHOICES = ("auto", "on", "off")
+# train.mlp_gemm's and train.triton_launch's values (speedrun.train.loop.configure_kernel_launch)
+MLP_GEMM_CHOICES = ("auto", "fused", "tma", "split")
+TRITON_LAUNCH_CHOICES = ("cached", "plain")
+# The model's named switches and their values (ModelConfig.validate, speedrun.config_check)
+MODEL_CHOICES = {"kernels": ("reference", "triton", "fp8", "fp8_full"),
+                 "qkv_path": ("reference", "fused", "fused_fp8"), "architecture": ("core", "record"),
+                 "fp8_input_scaling": ("current", "delayed"), "mlp_input_quant": ("kernel", "graph"),
+                 "embedding_grad": ("autograd", "atomic", "atomic_graph"),
+                 "mlp_weight_grad": ("autograd", "accumulate")}
 
 
 @dataclass
@@ -139,11 +148,7 @@ class ModelConfig:
             raise ConfigError(f"qk_head_dim must be a multiple of 4 (rotary pairs), got {self.qk_head_dim}")
         if not 0.0 <= self.rope_fraction <= 1.0:
             raise ConfigError(f"rope_fraction must lie in [0, 1], got {self.rope_fraction}")
-        choices = {"kernels": ("reference", "triton", "fp8", "fp8_full"),
-                   "qkv_path": ("reference", "fused", "fused_fp8"), "architecture": ("core", "record"),
-                   "fp8_input_scaling": ("current", "delayed"), "mlp_input_quant": ("kernel", "graph"), "embedding_grad": ("autograd", "atomic", "atomic_graph"),
-                   "mlp_weight_grad": ("autograd", "accumulate")}
-        for name, allowed in choices.items():
+        for name, allowed in MODEL_CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}; known: {', '.join(allowed)}")
         if self.architecture == "core" and (self.kernels != "reference" or self.qkv_path != "reference"
@@ -186,6 +191,9 @@ class DataConfig:
     tokenizer_dir: str = ""
     cache_dir: str = ""
     bos_id: int = 256
+    # Train and validation shards must be different files; true accepts shared files (the run
+    # then validates on text it trained on).
+    allow_val_overlap: bool = False
 
 
 @dataclass
@@ -257,7 +265,12 @@ class TrainConfig:
     # 0: the largest unmerged training micro-batch.  Divided by ``batch_divisor`` like the stages.
     val_batch_tokens: int = 0
     log_every: int = 10
-    checkpoint_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 0  # every this many steps; 0: by time and stage only (and at the end)
+    # Also checkpoint when this many seconds of wall clock have passed since the last checkpoint
+    # (checked after each step; 0 disables), and at every stage boundary of a staged schedule.
+    # Checkpoints are written with the training clock stopped; SIGINT/SIGTERM write one and stop.
+    checkpoint_every_s: float = 600.0
+    checkpoint_stages: bool = True
     seed: int = 1337
     device: str = "auto"
     dtype: str = "auto"  # "bf16" | "fp32" | "auto" (bf16 on CUDA, fp32 on CPU)

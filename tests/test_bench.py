@@ -233,7 +233,7 @@ def test_bench_stage_selection_and_errors(tmp_path, capsys):
         main(args + ["--chain", "two"])
     assert "expected step counts like 1 or 1,3" in capsys.readouterr().err
     assert main(args[:4] + ["--stage", "0"] + args[6:] + ["--set", "train.triton_launch=fast"]) == 2
-    assert "train.triton_launch must be one of cached, plain" in capsys.readouterr().err
+    assert "train.triton_launch='fast' is not allowed: must be one of cached, plain" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

@@ -40,10 +40,11 @@ def test_embedded_default_trains_with_few_steps(tmp_path, env):
     assert "step:4/4 val_loss:" in out.stdout and "sample:" in out.stdout
     run_dir = Path(out.stdout.split("run folder:")[1].split()[0])
     assert (run_dir / "log.txt").exists() and (run_dir / "summary.json").exists()
-    # resume a finished run: nothing left to do, same result
+    # resume a finished run: refused with one line, its result kept (tests/test_faults.py has more)
+    summary = (run_dir / "summary.json").read_text()
     again = speedrun("train", "--resume", str(run_dir), env_extra=env)
-    assert again.returncode == 0, again.stderr
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
+    assert again.returncode == 2 and "is a finished run (4 steps" in again.stderr, again.stderr
+    assert (run_dir / "summary.json").read_text() == summary
 
 
 def test_show_config_applies_flags():

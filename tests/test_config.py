@@ -61,3 +61,29 @@ def test_stages_override_builds_stage_objects():
     assert cfg.train.stages[1].mtp_weights == (1.0, [0.5, 0.0])
     with pytest.raises(ConfigError, match="bad stage"):
         apply_overrides(preset("tiny"), ['train.stages=[{"nope": 1}]'])
+
+
+def test_every_field_has_a_rule_and_every_preset_passes():
+    """A field added without a rule in speedrun.config_check would go unchecked: refuse that."""
+    from speedrun.config import PRESETS
+    from speedrun.config_check import RULES, field_names, validate_config
+
+    assert set(field_names()) == set(RULES)
+    for name, make in PRESETS.items():
+        validate_config(make())
+
+
+def test_config_problems_name_every_bad_field_with_its_range():
+    from speedrun.config_check import config_problems, validate_config
+    from speedrun.errors import ConfigError
+
+    cfg = preset("tiny")
+    apply_overrides(cfg, ["train.steps=0", "train.lr=-1", "model.attn_scale=none", "train.beta1=1"])
+    cfg.train.log_every = True  # a bool is not an int
+    problems = config_problems(cfg)
+    assert problems == ["train.steps=0 is out of range: must be an int >= 1",
+                        "train.lr=-1.0 is out of range: must be a finite number > 0",
+                        "train.beta1=1.0 is out of range: must be a finite number in [0, 1)",
+                        "train.log_every=True has type bool: must be an int >= 1"]
+    with pytest.raises(ConfigError, match="bad configuration values: train.steps=0"):
+        validate_config(cfg)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from speedrun.cli import main
-from speedrun.evidence.host import (SYNC_WARNING, PhaseRecorder, PhaseTiming, StepTrace, collect_sync_warnings,
+from speedrun.evidence.host import (SYNC_WARNING, sync_site, PhaseRecorder, PhaseTiming, StepTrace, collect_sync_warnings,
                                     summarize_traces, trace_step)
 from speedrun.train.loop import STEP_PHASES
 
@@ -69,6 +69,19 @@ def test_sync_collector_groups_by_call_site_and_passes_other_warnings():
     assert SYNC_WARNING in found[0]["message"]
     assert [str(w.message) for w in seen] == ["something else"]
     assert collect_sync_warnings(lambda: None) == []
+
+
+def test_sync_site_counts_only_the_package_as_ours_whatever_the_clone_is_called():
+    """A clone in a folder named ``speedrun`` puts "/speedrun/" in the tests' paths too: only
+    files under the package itself are ours (the innermost other frame names a test)."""
+    import traceback
+
+    import speedrun.train.loop as loop_module
+
+    clone_test = traceback.FrameSummary("/home/me/speedrun/tests/test_x.py", 7, "helper")
+    ours = traceback.FrameSummary(loop_module.__file__, 170, "run_step")
+    assert sync_site([clone_test]) == "test_x.py:7 helper"
+    assert sync_site([clone_test, ours]) == "speedrun/train/loop.py:170 run_step"
 
 
 def test_trace_step_on_cpu_times_the_phases():

@@ -16,7 +16,8 @@ _AREAS = ("speedrun.cli.train", "speedrun.cli.data", "speedrun.cli.evidence")
 _EPILOG = """\
 examples:
   speedrun train                         train the tiny GPT on the built-in corpus (CPU, minutes)
-  speedrun train --preset small --data 'data/fineweb10B/fineweb_*.bin'
+  speedrun train --preset small --data 'data/fineweb10B/fineweb_train_*.bin'
+                                         validates on fineweb_val_*.bin (--val-data to choose)
   speedrun data inspect data/fineweb10B/fineweb_val_000000.bin
   speedrun stats logs/                   final losses, times and t-tests of a set of runs
   speedrun doctor                        check this machine before a timed run

@@ -17,7 +17,11 @@ examples:
       the same model on GPT-2 tokenized shards (vocabulary switches to GPT-2's 50257)
   speedrun train --preset small --data ... --val-data ...          a 124M-class model on one GPU
   torchrun --standalone --nproc_per_node=8 -m speedrun train --preset small ...
-  speedrun train --resume runs/tiny-20261202-101500-ab12cd   continue a killed run from its checkpoint
+  speedrun train --resume runs/tiny-20261202-101500-ab12cd   continue a stopped run from its checkpoint
+      Ctrl-C (SIGINT) or SIGTERM writes a checkpoint and stops; checkpoints are also written every
+      10 minutes (train.checkpoint_every_s), at stage boundaries and every train.checkpoint_every steps
+  speedrun train --resume runs/tiny-20261202-101500-ab12cd --steps 500
+      train a finished 250-step run on to 500 steps, in a new run folder (the finished one is kept as is)
 
 settings: every field of the run configuration can be set with --set section.field=value, e.g.
   --set model.num_layers=6 --set train.lr=2e-3 --set train.checkpoint_every=100
@@ -34,7 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--preset", default="tiny", help="named configuration (default: tiny)")
     p.add_argument("--data", help="glob of training shards; switches the data source to shards")
-    p.add_argument("--val-data", help="glob of validation shards (default: --data with 'train' -> 'val')")
+    p.add_argument("--val-data", help="glob of validation shards (default: --data with 'train' -> 'val' in its "
+                   "last path part that has 'train'; an error when none has)")
+    p.add_argument("--allow-val-overlap", action="store_true",
+                   help="accept validation shards that are also training shards (refused by default)")
     p.add_argument("--tokenizer", choices=("gpt2", "bytes"), help="tokenizer of the shards (default gpt2 with --data)")
     p.add_argument("--tokenizer-dir", help="folder with GPT-2 encoder.json and vocab.bpe (offline)")
     p.add_argument("--steps", type=int, help="number of optimizer steps")
@@ -44,7 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="run name prefix (default: the preset's name)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override any configuration field (repeatable)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run folder from its newest checkpoint")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue this run folder from its newest checkpoint; a finished run is refused, or with "
+                   "--steps N (more than it ran) continued in a new folder RUN_DIR-toN")
     p.add_argument("--show-config", action="store_true", help="print the resolved configuration and exit")
     p.add_argument("--quiet", action="store_true", help="no console progress (the log file is still written)")
     p.add_argument("--no-preflight", action="store_true",
@@ -54,6 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def build_config(args: argparse.Namespace):
     from speedrun.config import apply_overrides, preset
+    from speedrun.config_check import validate_config
+    from speedrun.data.splits import val_glob_for
 
     try:
         cfg = preset(args.preset)
@@ -64,7 +75,7 @@ def build_config(args: argparse.Namespace):
     if args.data:
         cfg.data.source = "shards"
         cfg.data.train_files = args.data
-        cfg.data.val_files = args.val_data or args.data.replace("train", "val")
+        cfg.data.val_files = args.val_data or val_glob_for(args.data)
         tok = args.tokenizer or "gpt2"
         cfg.data.tokenizer = tok
         if tok == "gpt2":
@@ -88,9 +99,10 @@ def build_config(args: argparse.Namespace):
         cfg.out_dir = args.out
     if args.name:
         cfg.name = args.name
+    if args.allow_val_overlap:
+        cfg.data.allow_val_overlap = True
     apply_overrides(cfg, args.overrides)
-    cfg.model.validate()
-    return cfg
+    return validate_config(cfg)
 
 
 def preflight(cfg) -> None:
@@ -107,7 +119,9 @@ def preflight(cfg) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from speedrun.config import RunConfig
+    from speedrun.config_check import validate_config
     from speedrun.errors import ConfigError
+    from speedrun.train import faults
     from speedrun.train.loop import train
 
     if args.resume:
@@ -115,7 +129,15 @@ def run(args: argparse.Namespace) -> int:
         cfg_file = run_dir / "config.json"
         if not cfg_file.exists():
             raise ConfigError(f"cannot resume: {run_dir} is not a run folder (no config.json)")
-        cfg = RunConfig.from_dict(json.loads(cfg_file.read_text()))
+        if args.overrides:
+            raise ConfigError("--set does not apply with --resume: a resumed run keeps the settings in its "
+                              "config.json")
+        if args.steps is not None:  # more steps: only for a finished run, continued in a new folder
+            run_dir = faults.extension_dir(run_dir, args.steps)
+            print(f"extending into {run_dir}")
+        else:
+            faults.refuse_finished(run_dir)
+        cfg = validate_config(RunConfig.from_dict(json.loads((run_dir / "config.json").read_text())))
         result = train(cfg, run_dir=run_dir, resume=True, console=not args.quiet)
     else:
         cfg = build_config(args)
@@ -126,7 +148,10 @@ def run(args: argparse.Namespace) -> int:
             preflight(cfg)
         result = train(cfg, console=not args.quiet)
     if result.rank != 0:
-        return 0
+        return faults.EXIT_STATUS.get(result.signal, 0)
     print(f"run folder: {result.run_dir}")
+    if result.signal:
+        print(f"stopped by {result.signal}; continue with: speedrun train --resume {result.run_dir}")
+        return faults.EXIT_STATUS.get(result.signal, 1)
     print(f"final val_loss: {result.final_val_loss:.4f}  train_time: {result.train_time_ms / 1000:.1f}s")
     return 0

@@ -187,6 +187,8 @@ def write_shard(path: str | os.PathLike, tokens, vocab_size: int | None = None) 
         raise DataError(f"{path}: cannot create shard file ({e.strerror or e})") from None
     try:
         with os.fdopen(fd, "wb") as f:
+            if hasattr(os, "fchmod"):  # mkstemp makes 0600; a shard is data like any file open() writes
+                os.fchmod(fd, _file_mode())
             f.write(header.tobytes())
             f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
         os.replace(tmp, path)
@@ -203,3 +205,10 @@ def write_shard(path: str | os.PathLike, tokens, vocab_size: int | None = None) 
             pass
         raise
     return path
+
+
+def _file_mode() -> int:
+    """The mode ``open(path, "w")`` would give a new file: 0666 less the process umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from speedrun.config import RunConfig, Stage, apply_overrides, preset
+from speedrun.config_check import validate_config
 from speedrun.errors import ConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -46,7 +47,10 @@ class ArmSpec:
         except ConfigError as e:
             raise ConfigError(f"arm {self.name!r}: {e}") from None
         cfg.train.stages = [_as_stage(s, self.name) for s in cfg.train.stages]
-        cfg.model.validate()
+        try:
+            validate_config(cfg)
+        except ConfigError as e:
+            raise ConfigError(f"arm {self.name!r}: {e}") from None
         return cfg
 
     def to_dict(self) -> dict:
@@ -107,9 +111,16 @@ def parse_arms(specs: Sequence[str], minimum: int = 1) -> list[ArmSpec]:
     return arms
 
 
-def data_overrides(train_glob: str | None, val_glob: str | None = None) -> list[str]:
-    """Overrides for ``--data``/``--val-data``: read shards (validation: ``train`` -> ``val`` in the glob)."""
+def data_overrides(train_glob: str | None, val_glob: str | None = None, validates: bool = True) -> list[str]:
+    """Overrides for ``--data``/``--val-data``: read shards; validation shards named from the
+    training glob by :func:`speedrun.data.splits.val_glob_for` when not given.  ``validates=False``
+    (commands that never validate: bench, profile) accepts a glob the rule cannot name from."""
+    from speedrun.data.splits import val_glob_for
+
     if not train_glob:
         return []
-    val = val_glob or train_glob.replace("train", "val")
-    return ["data.source=shards", f"data.train_files={train_glob}", f"data.val_files={val}"]
+    if val_glob or validates or "train" in train_glob:
+        val = val_glob or val_glob_for(train_glob)
+        return ["data.source=shards", f"data.train_files={train_glob}", f"data.val_files={val}"]
+    return ["data.source=shards", f"data.train_files={train_glob}", f"data.val_files={train_glob}",
+            "data.allow_val_overlap=true"]

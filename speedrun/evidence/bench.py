@@ -628,7 +628,7 @@ def cli_bench_step(args) -> int:
         raise ConfigError(f"--steps must be >= {MIN_STEPS} (the median and its confidence interval need them), "
                           f"got {args.steps}")
     arms = parse_arms(args.arm)
-    common = data_overrides(args.data, args.val_data) + (["train.device=" + args.device] if args.device else []) \
+    common = data_overrides(args.data, args.val_data, validates=False) + (["train.device=" + args.device] if args.device else []) \
         + list(args.overrides)
     result = bench_step(arms, stage=args.stage, steps=args.steps, warmup=args.warmup, common=common,
                         seed=args.seed, progress=True, host_steps=args.host_steps, sync_scan=args.sync_scan,

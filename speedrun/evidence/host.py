@@ -35,6 +35,9 @@ import torch
 
 SYNC_WARNING = "synchronizing CUDA operation"  # torch's sync-debug warning text
 _OWN_FILE = __file__.replace("\\", "/")
+# The package's own folder ("/.../speedrun/"): a frame is ours when its file lies below it, not
+# when its path merely contains "/speedrun/" (a clone's folder may have that name too).
+_PKG_DIR = _OWN_FILE.rsplit("/", 2)[0] + "/"
 
 
 @dataclass
@@ -145,8 +148,8 @@ def summarize_traces(traces: Sequence[StepTrace]) -> dict[str, Any]:
 
 def _frame_text(f: traceback.FrameSummary) -> str:
     path = f.filename.replace("\\", "/")
-    if "/speedrun/" in path:
-        path = path[path.rindex("/speedrun/") + 1:]
+    if path.startswith(_PKG_DIR):
+        path = "speedrun/" + path[len(_PKG_DIR):]
     else:
         path = path.rsplit("/", 1)[-1]
     return f"{path}:{f.lineno} {f.name}"
@@ -160,7 +163,7 @@ def sync_site(stack: Sequence[traceback.FrameSummary], depth: int = 3) -> str:
         return f.filename.replace("\\", "/")
 
     ours = [f for f in reversed(stack)
-            if "/speedrun/" in path(f) and path(f) != _OWN_FILE and "/site-packages/torch" not in path(f)]
+            if path(f).startswith(_PKG_DIR) and path(f) != _OWN_FILE]
     if ours:
         return " < ".join(_frame_text(f) for f in ours[:depth])
     inner = [f for f in reversed(stack) if path(f) != _OWN_FILE and not path(f).endswith("/warnings.py")]

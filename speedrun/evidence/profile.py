@@ -944,7 +944,7 @@ def cli_profile(args) -> int:
     from speedrun.evidence.arms import data_overrides, parse_arm
 
     arm = parse_arm(args.arm)
-    common = data_overrides(args.data, args.val_data) + (["train.device=" + args.device] if args.device else []) \
+    common = data_overrides(args.data, args.val_data, validates=False) + (["train.device=" + args.device] if args.device else []) \
         + list(args.overrides)
     given = (args.peak_tflops, args.peak_tbps)
     if (given[0] is None) != (given[1] is None):

@@ -2,7 +2,9 @@
 
 A checkpoint holds the model and optimizer state, every rank's data-loader position, the RNG
 states, the step reached and the training time spent so far.  Files are written to a temporary
-name and renamed, so a run killed while saving never leaves a half-written latest checkpoint.
+name and renamed, so a run killed while saving never leaves a half-written latest checkpoint
+(the temporary files such a kill leaves are removed by the next save).  The newest two are kept;
+a latest checkpoint that cannot be read falls back to the one before, with a message.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -30,6 +32,9 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int =
     tmp = path.with_suffix(".pt.tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
+    # Left by a process killed while writing (every rank's part of this step is in place by now).
+    for stale in path.parent.glob("step_*.tmp"):
+        stale.unlink(missing_ok=True)
     for old in list_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True)
         for shard in old.parent.glob(old.stem + ".rank*.pt"):
@@ -67,12 +72,32 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def load_latest(run_dir: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """The newest checkpoint of ``run_dir``; a clear error if there is none or it is unreadable."""
+def load_latest(run_dir: Path, map_location: str | torch.device = "cpu",
+                warn: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The newest readable checkpoint of ``run_dir``: one that cannot be read (or lacks the
+    fields a resume needs) is reported through ``warn`` and the one before it is tried.  A clear
+    error if there is none or none is readable."""
     found = list_checkpoints(run_dir)
     if not found:
-        raise SpeedrunError(f"{run_dir} has no checkpoints to resume from (looked in {run_dir / 'checkpoints'})")
-    try:
-        return torch.load(found[-1], map_location=map_location, weights_only=False)
-    except Exception as e:
-        raise SpeedrunError(f"cannot read checkpoint {found[-1]}: {type(e).__name__}: {e}") from None
+        raise SpeedrunError(f"{run_dir} has no checkpoints to resume from (looked in {run_dir / 'checkpoints'}): "
+                            "the run stopped before its first one (written every train.checkpoint_every steps, "
+                            "every train.checkpoint_every_s seconds, at stage boundaries and on SIGINT/SIGTERM); "
+                            "start it again")
+    problems = []
+    for path in reversed(found):
+        try:
+            state = torch.load(path, map_location=map_location, weights_only=False)
+            missing = [k for k in _REQUIRED if k not in state]
+            if missing:
+                raise ValueError(f"lacks {', '.join(missing)}")
+        except Exception as e:
+            problems.append(f"{path.name}: {type(e).__name__}: {e}")
+            if warn is not None:
+                warn(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); trying the one before it")
+            continue
+        return state
+    raise SpeedrunError(f"no readable checkpoint in {run_dir / 'checkpoints'}: " + "; ".join(problems))
+
+
+# What a resume reads from a checkpoint (speedrun.train.loop).
+_REQUIRED = ("step", "train_time_ms", "model", "optimizer", "loaders", "rng")

@@ -46,6 +46,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from speedrun.config import CUDA_GRAPHS_CHOICES
 from speedrun.errors import ConfigError, SpeedrunError
 from speedrun.model.interface import ForwardArgs
 from speedrun.train import microbatch
@@ -72,8 +73,8 @@ class GraphMismatchError(SpeedrunError, RuntimeError):
 
 def graphs_enabled(setting: str, device: torch.device) -> bool:
     """Whether ``train.cuda_graphs`` turns graphs on for ``device``."""
-    if setting not in ("auto", "on", "off"):
-        raise ConfigError(f"train.cuda_graphs must be one of auto, on, off, got {setting!r}")
+    if setting not in CUDA_GRAPHS_CHOICES:
+        raise ConfigError(f"train.cuda_graphs must be one of {', '.join(CUDA_GRAPHS_CHOICES)}, got {setting!r}")
     if setting == "on" and device.type != "cuda":
         raise ConfigError(f"train.cuda_graphs=on needs a CUDA device, this run uses {device.type}; "
                           "use train.cuda_graphs=auto or off")

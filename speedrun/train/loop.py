@@ -23,10 +23,12 @@ import torch
 
 from speedrun import distributed
 from speedrun.compiling import allow_schedule_variants
-from speedrun.config import CE_GRAD_LAYOUT_CHOICES, CE_SIGMOID_CHOICES, RunConfig, Stage
+from speedrun.config import (CE_GRAD_LAYOUT_CHOICES, CE_SIGMOID_CHOICES, MLP_GEMM_CHOICES, TRITON_LAUNCH_CHOICES,
+                             RunConfig, Stage)
 from speedrun.errors import ConfigError, DataError
 from speedrun.model import build_model
 from speedrun.model.interface import ForwardArgs
+from speedrun.train import faults
 from speedrun.train.checkpoint import load_latest, load_rank_state, save_checkpoint, save_rank_state
 from speedrun.train import microbatch
 from speedrun.train.collector import freeze_long_lived, thaw
@@ -44,6 +46,7 @@ class TrainResult:
     sample: str
     stopped_early: bool = False
     rank: int = 0
+    signal: str = ""  # the signal that stopped the run early ("SIGINT", "SIGTERM"), if one did
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,6 +68,7 @@ def _expand(pattern: str, what: str) -> list[Path]:
 def resolve_data(cfg: RunConfig):
     """(train_files, val_files, tokenizer) for the run's data source; checks the vocabulary fits."""
     from speedrun.data import builtin_corpus_shards, get_tokenizer
+    from speedrun.data.splits import refuse_overlap
 
     d = cfg.data
     if d.source == "builtin":
@@ -75,6 +79,7 @@ def resolve_data(cfg: RunConfig):
         val_files = _expand(d.val_files, "val") if d.val_files else None
         if val_files is None:
             raise DataError("no validation shards: pass --val-data (a glob of *_val_*.bin shards)")
+        refuse_overlap(train_files, val_files, d.allow_val_overlap)
         try:
             tokenizer = get_tokenizer(d.tokenizer, d.tokenizer_dir or None)
         except DataError:
@@ -272,9 +277,6 @@ def _validation_variants(recipe, total_steps: int, val_every: int) -> dict[int, 
     return out
 
 
-MLP_GEMM_CHOICES = ("auto", "fused", "tma", "split")
-
-
 def configure_kernel_launch(cfg: RunConfig) -> None:
     """Apply the process-wide kernel routing: ``train.triton_launch`` (how our Triton kernels are
     launched), ``train.mlp_gemm`` (the ReLU² GEMMs' route), ``train.ce_sigmoid`` (how the CE
@@ -284,7 +286,7 @@ def configure_kernel_launch(cfg: RunConfig) -> None:
 
     from speedrun.kernels import launch
 
-    choices = ("cached", "plain")
+    choices = TRITON_LAUNCH_CHOICES
     if cfg.train.triton_launch not in choices:
         raise ConfigError(f"train.triton_launch must be one of {', '.join(choices)}, got {cfg.train.triton_launch!r}")
     if cfg.train.mlp_gemm not in MLP_GEMM_CHOICES:
@@ -430,11 +432,26 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
 
     ``stop_after`` ends the run right after the checkpoint of that step, as if the process had been
     killed there (used to test resumption).  ``teardown=False`` keeps the process group for a
-    caller that trains again in the same processes (``speedrun compare``).
+    caller that trains again in the same processes (``speedrun compare``).  SIGINT/SIGTERM during
+    training write a checkpoint and end the run early (``TrainResult.signal``); a run that fails
+    before its first step removes the folder it made, a later failure is recorded in its log
+    (:class:`speedrun.train.faults.RunStart`).
     """
+    start = faults.RunStart()
+    try:
+        return _train(cfg, start, run_dir=run_dir, resume=resume, console=console, stop_after=stop_after,
+                      teardown=teardown)
+    except BaseException as e:
+        start.failed(e)
+        raise
+
+
+def _train(cfg: RunConfig, start: faults.RunStart, *, run_dir: Path | None, resume: bool, console: bool,
+           stop_after: int | None, teardown: bool) -> TrainResult:
+    from speedrun.config_check import validate_config
     from speedrun.data import TrainLoader
 
-    cfg.model.validate()
+    validate_config(cfg)
     info = distributed.setup(cfg.train.device)
     device = info.device
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.train.dtype)
@@ -446,10 +463,12 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     train_files, val_files, tokenizer = resolve_data(cfg)  # bad data is refused before a run folder exists
 
     # Run folder: created by rank 0, shared with the others.
+    made_here = not resume and run_dir is None  # a folder of our own, removed again if the start fails
     if resume:
         if run_dir is None or not (Path(run_dir) / "config.json").exists():
             raise ConfigError(f"cannot resume: {run_dir} is not a run folder (no config.json)")
         run_dir = Path(run_dir)
+        faults.refuse_finished(run_dir)  # its summary and log stay as they are
     elif run_dir is None:
         name = [str(new_run_dir(cfg.out_dir, cfg.name)) if info.is_main else None]
         if info.enabled:
@@ -459,6 +478,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
     log = RunLog(run_dir, enabled=info.is_main, console=console)
+    start.folder(run_dir, created=made_here, log=log)
     if info.is_main and not resume:
         (run_dir / "config.json").write_text(cfg.to_json())
 
@@ -551,7 +571,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     stage_index = recipe.stage_index(0)
     loader = make_loader(stage_index)
     if resume:
-        ckpt = load_latest(run_dir, map_location=device)
+        ckpt = load_latest(run_dir, map_location=device, warn=log.print)
         model.load_state_dict(ckpt["model"])
         fp8_states = ckpt.get("fp8") or []
         if len(fp8_states) not in (0, info.world_size):
@@ -582,7 +602,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
 
     sharded_optimizer = recipe.grads_reduced_by_optimizer and info.enabled
 
-    def checkpoint(step: int) -> None:
+    def checkpoint(step: int) -> Path | None:
         # After an even step the embedding tables' gradients wait in this rank's fp32 accumulators
         # (model.embedding_grad): saved beside the optimizer state, which holds the other pending ones.
         emb = model.embedding_grad_state() if hasattr(model, "embedding_grad_state") else {}
@@ -594,8 +614,9 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         if sharded_optimizer:
             save_rank_state(run_dir, step, info.rank, {"optimizer": optimizer.state_dict(), "embedding_grads": emb})
             distributed.barrier(info)
+        path = None
         if info.is_main:
-            save_checkpoint(run_dir, step, {
+            path = save_checkpoint(run_dir, step, {
                 "step": step, "train_time_ms": train_ms, "model": model.state_dict(),
                 "fp8": fp8_states,
                 "optimizer": None if sharded_optimizer else optimizer.state_dict(), "loaders": loaders,
@@ -603,6 +624,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
                 "rng": _rng_state(device), "config": cfg.to_dict(),
             })
         distributed.barrier(info)
+        return path
 
     def validate(step: int) -> float:
         args = recipe.eval_args(step, final=step == total_steps)
@@ -613,8 +635,12 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
         return loss
 
     stopped = False
+    guard = faults.RunGuard(cfg, [s.start_step for s in stages], info, run_dir)
+    start.began()
     if start_step == 0 and cfg.train.val_every > 0:
         last_val = validate(0)
+    elif start_step >= total_steps:  # stopped after its final checkpoint, before its summary was written
+        last_val = validate(total_steps)
     compiled = cfg.train.compile or cfg.train.optimizer_compile
     compiles_before = _compile_count() if compiled else 0
     frozen = freeze_long_lived() if cfg.train.gc_freeze else 0
@@ -629,7 +655,8 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     window_steps = 0
     loss_acc = torch.zeros((), device=device)
     step_ms: dict[int, list[float]] = {i: [] for i in range(len(stages))}
-    try:  # the heap is thawed however the loop ends
+    try:  # the heap is thawed (and the signal handlers restored) however the loop ends
+        guard.install()
         for step in range(start_step, total_steps):
             si = recipe.stage_index(step)
             if si != stage_index:
@@ -641,8 +668,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
             is_last = done == total_steps
             want_log = done % cfg.train.log_every == 0 or is_last
             want_val = is_last or (cfg.train.val_every > 0 and done % cfg.train.val_every == 0)
-            want_ckpt = is_last or (cfg.train.checkpoint_every > 0 and done % cfg.train.checkpoint_every == 0) \
-                or done == stop_after
+            want_ckpt = is_last or guard.checkpoint_due(done, synced=want_log or want_val) or done == stop_after
             if want_log or want_val or want_ckpt:
                 _sync(device)
                 now = time.perf_counter()
@@ -652,6 +678,7 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
                     step_ms[si].append((now - clock.t0) * 1000)
                 if want_log:
                     mean_loss = loss_acc.item() / window_steps
+                    guard.check_loss(mean_loss, done)
                     tok_s = window_steps * stages[si].batch_tokens / max(now - clock.window_start, 1e-9)
                     eta = (total_steps - done) * step_avg / 1000
                     log.print(step_line(done, total_steps, train_ms, step_avg), console=False)
@@ -661,15 +688,21 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
                               f"step_avg {step_avg:.1f}ms  eta {_fmt_eta(eta)}", flush=True)
                     loss_acc.zero_()
                     window_steps = 0
+                elif want_val or want_ckpt:  # no validation or checkpoint of a diverged state (synchronized here)
+                    guard.check_loss(loss_acc.item() / window_steps, done)
                 if want_val:
                     last_val = validate(done)
+                    guard.check_loss(last_val, done, "validation loss")
                 if want_ckpt:
-                    checkpoint(done)
-                if done == stop_after and not is_last:
+                    guard.checkpoint_written(checkpoint(done), done)
+                if (done == stop_after or guard.stop) and not is_last:
                     stopped = True
+                    if guard.stop:
+                        log.print(guard.stop_message(done))
                     break
                 clock.start()
     finally:
+        guard.restore()
         if frozen:
             thaw()
     loader.close()
@@ -708,7 +741,8 @@ def train(cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, 
     log.close()
     if teardown:
         distributed.teardown()
-    return TrainResult(run_dir, total_steps, last_val, train_ms, sample, stopped, info.rank)
+    return TrainResult(run_dir, total_steps, last_val, train_ms, sample, stopped, info.rank,
+                       guard.signal_name if stopped and guard.stop else "")
 
 
 def stage_time_lines(step_ms: dict[int, list[float]], stages, cfg: RunConfig, skip: int = 2) -> list[str]:

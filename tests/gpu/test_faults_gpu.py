@@ -1,0 +1,85 @@
+"""Stopped and resumed record / candidate runs on a CUDA GPU equal uninterrupted ones bit for bit
+(run on the GPU machine: `python -m pytest -q -m gpu tests/gpu/test_faults_gpu.py`).
+
+The record code path at small shapes, compiled with a warmup as the presets run it, stopped
+mid-stage (after step 5 of stages starting at 0, 3, 6, 9): in-process right after that step's
+checkpoint, and as a real ``speedrun train`` process sent SIGTERM (and SIGKILL) by itself.  Bit
+exactness needs a deterministic step: the embedding tables' gradients use autograd here, since
+``model.embedding_grad=atomic`` adds rows with fp32 atomics in an order that varies between runs;
+every other switch is the preset's.  Each test first checks that two uninterrupted runs agree, so a
+failure says which of the two (the GPU's arithmetic or the resume) differs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedrun.config import apply_overrides, preset
+from speedrun.train.checkpoint import list_checkpoints
+from speedrun.train.loop import train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the CPU fault suite's helpers
+from test_faults import DRIVER, EXIT, final_state, run_folder, same  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("use_builtin_cache")]
+
+SHAPE = ["model.model_dim=128", "model.num_heads=4", "model.qk_head_dim=32", "model.v_head_dim=32",
+         "train.steps=12", "train.num_extension=3", "train.val_every=6", "train.val_tokens=16384",
+         "train.log_every=1", "train.sample_tokens=0", "train.dtype=bf16", "train.compile=true",
+         "train.optimizer_compile=true", "train.warmup_steps=2", "model.embedding_grad=autograd"]
+ARMS = {
+    "record": ["model.kernels=fp8", "model.mlp_input_quant=graph", "model.mlp_weight_grad=accumulate",
+               "model.gate_gemm_align=8"],
+    "candidate": ["model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_head_dim=16",
+                  "model.fp8_input_scaling=delayed", "model.qk_prep_fp8_grad=true"],
+}
+
+
+def cfg_for(tmp_path, arm):
+    cfg = preset("tiny-record")
+    apply_overrides(cfg, [*SHAPE, *ARMS[arm], f"out_dir={tmp_path / 'runs'}"])
+    return cfg
+
+
+@pytest.mark.parametrize("arm", sorted(ARMS))
+def test_stopped_mid_stage_resumes_bit_exactly_on_gpu(tmp_path, arm):
+    first = final_state(train(cfg_for(tmp_path, arm), console=False).run_dir)
+    second = final_state(train(cfg_for(tmp_path, arm), console=False).run_dir)
+    same(first, second, "two uninterrupted runs (GPU determinism, not resume)")
+    cut = train(cfg_for(tmp_path, arm), console=False, stop_after=5)
+    saved = torch.load(list_checkpoints(cut.run_dir)[-1], weights_only=False)
+    assert saved["step"] == 5 and saved["fp8"][0]
+    resumed = train(cfg_for(tmp_path, arm), run_dir=cut.run_dir, resume=True, console=False)
+    same(first, final_state(resumed.run_dir), "resumed run")
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_record_process_signalled_mid_stage_resumes_bit_exactly_on_gpu(tmp_path, sig):
+    """``speedrun train`` processes (each compiles in its own warmup): SIGTERM as step 4 begins
+    stops after step 5 with a checkpoint; SIGKILL there leaves the stage-1 boundary checkpoint
+    (step 3)."""
+    import os
+    import subprocess
+
+    args = ["--preset", "tiny-record"] + [x for kv in SHAPE + ARMS["record"] for x in ("--set", kv)]
+
+    def run(out, fault=None):
+        env = dict(os.environ, **({"FAULT": fault} if fault else {}))
+        cmd = [sys.executable, "-c", DRIVER] if fault else [sys.executable, "-m", "speedrun"]
+        return subprocess.run([*cmd, "train", *args, "--out", str(out), "--quiet"], capture_output=True, text=True,
+                              env=env, timeout=1800)
+
+    whole = run(tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr
+    cut = run(tmp_path / "cut", fault=f"step:4:{sig}")
+    assert cut.returncode == EXIT[sig], cut.stderr
+    folder = run_folder(tmp_path / "cut")
+    assert torch.load(list_checkpoints(folder)[-1], weights_only=False)["step"] == (5 if sig == "SIGTERM" else 3)
+    again = subprocess.run([sys.executable, "-m", "speedrun", "train", "--resume", str(folder), "--quiet"],
+                           capture_output=True, text=True, timeout=1800)
+    assert again.returncode == 0, again.stderr
+    same(final_state(run_folder(tmp_path / "whole")), final_state(folder), "resumed process")
