@@ -84,6 +84,7 @@ def test_tiny_candidate_trains_checkpoints_and_resumes_exactly(tmp_path, kernel_
     shutil.copytree(whole.run_dir, cut_dir)
     for later in (cut_dir / "checkpoints").glob("*000004*"):  # as if killed after the third step
         later.unlink()
+    (cut_dir / "summary.json").unlink()  # a killed run has no summary (with one it is finished)
     resumed = train(_config(tmp_path / "cut"), run_dir=cut_dir, resume=True, console=False)
 
     a = torch.load(list_checkpoints(whole.run_dir)[-1], weights_only=False)
