@@ -48,16 +48,6 @@ MIN_STEPS = 20  # the CLI's floor; fewer steps make the median and the bootstrap
 # A training session: the pieces of train() for one arm, at one stage's shapes
 
 
-def resolve_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
-    """The autocast dtype train() uses: ``train.dtype`` (bf16/fp32), or bf16 on CUDA / fp32 on CPU."""
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.train.dtype)
-    if dtype is None:
-        if cfg.train.dtype != "auto":
-            raise ConfigError(f"train.dtype must be bf16, fp32 or auto, got {cfg.train.dtype!r}")
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return dtype
-
-
 @dataclass
 class Session:
     """One arm ready to step at one stage's shapes: model (and its compiled form), the training
@@ -103,41 +93,22 @@ class Session:
 
 
 def build_session(name: str, cfg: RunConfig, stage_index: int, info) -> Session:
-    """Build ``cfg``'s model, recipe and a loader at ``stages_of(cfg)[stage_index]``'s shapes,
-    the way :func:`speedrun.train.loop.train` builds them."""
-    from speedrun.data import TrainLoader
-    from speedrun.model import build_model
-    from speedrun.train.loop import compile_model, configure_kernel_launch, micro_batching, resolve_data
-    from speedrun.train.recipes import build_recipe
+    """``cfg``'s run (:func:`speedrun.train.builder.build_run`, as :func:`speedrun.train.loop.train`
+    builds it) with the schedule at ``stages_of(cfg)[stage_index]``'s first step and a loader at
+    that stage's shapes."""
+    from speedrun.train.builder import build_run
 
-    cfg.model.validate()
-    configure_kernel_launch(cfg)  # refuses a bad train.triton_launch before the build; re-applied per step
-    device = info.device
-    dtype = resolve_dtype(cfg, device)
-    train_files, _, tokenizer = resolve_data(cfg)
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model).to(device)
-    if dtype == torch.bfloat16 and hasattr(model, "cast_to_record_dtypes"):
-        model.cast_to_record_dtypes(torch.bfloat16)
-    recipe = build_recipe(cfg, model, info, tokenizer)
-    stages = recipe.stages
+    run = build_run(cfg, info)
+    stages = run.stages
     if not 0 <= stage_index < len(stages):
         raise ConfigError(f"arm {name!r}: --stage {stage_index} is out of range; the config has "
                           f"{len(stages)} stage(s) (0..{len(stages) - 1})")
     stage = stages[stage_index]
-    stage_end = stages[stage_index + 1].start_step if stage_index + 1 < len(stages) else cfg.train.steps
-    plan = micro_batching(stage, cfg, info.world_size)
-    if hasattr(model, "warm_tables"):  # RoPE tables must exist before compiling
-        recipe.max_tokens = plan.tokens
-        model.warm_tables(plan.tokens, device)
-    recipe.sync_to(stage.start_step)
-    recipe.on_clock_start()
-    run_model = compile_model(model, cfg)
-    loader = TrainLoader(train_files, plan.chunk, stage.max_seq_len, rank=info.rank, world_size=info.world_size,
-                         bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size,
-                         max_docs=cfg.train.max_docs or None, device=device,
-                         bigram_mod=getattr(model, "bigram_mod", None), merge=plan.merge)
-    return Session(name, cfg, stage, stage_end, model, run_model, recipe, loader, info, dtype)
+    run.recipe.sync_to(stage.start_step)
+    run.recipe.on_clock_start()
+    loader = run.make_loader(stage_index)
+    return Session(name, cfg, stage, run.stage_end(stage_index), run.model, run.run_model, run.recipe, loader,
+                   info, run.dtype)
 
 
 class MemoryMeter:

@@ -62,7 +62,7 @@ from speedrun.config import ModelConfig
 from speedrun.data.loader import bigram_hash
 from speedrun.errors import ConfigError
 from speedrun.model.embedding_grad import EmbeddingGradAccumulator
-from speedrun.model.interface import ForwardArgs
+from speedrun.model.interface import ForwardArgs, TrainableModel
 from speedrun.model.record_parts import (
     GateLayout,
     bigram_sign_index,
@@ -235,7 +235,7 @@ def _next_multiple(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-class RecordGPT(nn.Module):
+class RecordGPT(TrainableModel):
     """The record GPT.  See the module docstring.
 
     Args:
@@ -480,6 +480,11 @@ class RecordGPT(nn.Module):
         self.bigram_sign_table = self.bigram_sign_table.to(dtype)
         return self
 
+    def cast_for_training(self, dtype: torch.dtype) -> "RecordGPT":
+        """:class:`TrainableModel` hook: :meth:`cast_to_record_dtypes` (bf16 weights, fp32 scalars,
+        as NorMuon tracks the scalars' mantissas)."""
+        return self.cast_to_record_dtypes(dtype)
+
     @torch.no_grad()
     def sync_embed_from_lm_head(self) -> None:
         """``embed <- lm_headᵀ`` (what the optimizer does after each step while the two are tied)."""
@@ -659,6 +664,44 @@ class RecordGPT(nn.Module):
             if not hasattr(self.mlp_impl, "load_state_dict"):
                 raise ValueError(f"checkpoint has FP8 MLP activation scales but model.kernels={self.cfg.kernels!r}")
             self.mlp_impl.load_state_dict(state["mlp_activations"])
+
+    # ------------------------------------------------------------------------------------------
+    # TrainableModel hooks (the training loop's calls; see speedrun.model.interface)
+
+    def after_optimizer_step(self) -> None:
+        """Re-quantise the FP8 weight copies (:meth:`refresh_fp8_weights`) when any are used."""
+        if self.uses_fp8_weights:
+            self.refresh_fp8_weights()
+
+    def end_step(self) -> None:
+        """:meth:`end_fp8_step`."""
+        self.end_fp8_step()
+
+    def after_evaluation(self) -> None:
+        """:meth:`discard_fp8_step`: evaluation amaxes must not steer training's FP8 scales."""
+        self.discard_fp8_step()
+
+    def reset_after_warmup(self) -> None:
+        """The warmup's FP8 scales belong to weights that are gone (:meth:`reset_fp8_state`), and
+        gradients of a warmup step not yet flushed (an even step's embeddings, the MLP bank's sum)
+        are dropped."""
+        self.reset_fp8_state()
+        self.discard_embedding_grads()
+        self.discard_weight_grads()
+
+    def extra_state(self) -> dict:
+        """``{"fp8": fp8_state_dict(), "embedding_grads": embedding_grad_state()}``."""
+        return {"fp8": self.fp8_state_dict(), "embedding_grads": self.embedding_grad_state()}
+
+    def load_extra_state(self, state: dict) -> None:
+        """Restore :meth:`extra_state` (after the weights, before the next FP8 refresh, which replays
+        the saved scales)."""
+        unknown = set(state) - {"fp8", "embedding_grads"}
+        if unknown:
+            raise ValueError(f"unknown extra state sections {sorted(unknown)}")
+        if state.get("fp8"):
+            self.load_fp8_state_dict(state["fp8"])
+        self.load_embedding_grad_state(state.get("embedding_grads") or {})
 
     def _qkv_sources_version(self) -> tuple[int, ...]:
         return (self.qk_bank._version, self.vo_bank._version, self.scalars._version)
