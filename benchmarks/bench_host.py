@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     from speedrun.kernels import opaque
     from speedrun.kernels.fp8_cache import E4M3, E5M2, FP8Weight, abs_max, end_fp8_step, quantize_current, quantize_dual_layout
     from speedrun.kernels.fp8_ops import scaled_mm
-    from speedrun.kernels.launch import launch
+    from speedrun.kernels._triton import launch
 
     dev = "cuda"
     T, D, H = args.tokens, 768, 3072

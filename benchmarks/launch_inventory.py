@@ -116,7 +116,7 @@ def counting(per_kernel: dict):
     Everything patched is restored on exit."""
     import triton.runtime.jit as jit
 
-    from speedrun.kernels import fp8_ops, launch, opaque
+    from speedrun.kernels import _triton as launch, fp8_ops, opaque
 
     undo = []
 

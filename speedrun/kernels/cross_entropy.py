@@ -74,17 +74,9 @@ import triton.language as tl
 
 from speedrun.config import CE_SIGMOID_CHOICES
 from speedrun.errors import DataError
-from speedrun.kernels.fp8_cache import (
-    _fp8_bits,
-    cdiv,
-    grid_constants,
-    interpreting,
-    next_pow2,
-    quantize_rows_scaled_t,
-    quantize_static,
-)
+from speedrun.kernels._triton import cdiv, interpreting, launch, next_pow2
+from speedrun.kernels.fp8_cache import _fp8_bits, grid_constants, quantize_rows_scaled_t, quantize_static
 from speedrun.kernels.fp8_ops import cuda_capability, quantize_tensorwise, scaled_mm, to_scale_tensor
-from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
 
 __all__ = [

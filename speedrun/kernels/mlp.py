@@ -72,25 +72,21 @@ import torch
 import triton
 import triton.language as tl
 
+from speedrun.kernels._triton import cdiv, interpreting, launch, sm_count, triton_usable
 from speedrun.kernels.fp8_cache import (
     E4M3,
     E5M2,
     FP8_MAX,
-    cdiv,
     FP8Weight,
     _fp8_bits,
     _fp8_bits_hw,
     _round_to_grid,
     grid_constants,
     headroom_scale,
-    interpreting,
     InputScaling,
     quantize_current,
-    sm_count,
-    triton_usable,
 )
 from speedrun.kernels.fp8_ops import cuda_capability, scaled_mm  # torch._scaled_mm on sm89+, exact fp32 emulation elsewhere
-from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
 
 MODES = ("bf16", "fp8_fwd", "fp8_full")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from speedrun.kernels.launch import launch
+from speedrun.kernels._triton import launch, sm_count
 from speedrun.kernels.launch_notes import launch_note
 
 try:  # Triton is optional on CPU-only installs; the references then do all the work.
@@ -276,8 +276,6 @@ def _config(reduce_dim: int, kind: str, elem_bytes: int = 2,
         if kind == "ba_plus_caa" or reduce_dim == 768:
             return 128, 128, 64, 4, 8
         return 64, 128, 128, 4, 8
-    from speedrun.kernels.fp8_cache import sm_count  # here: this module imports without Triton
-
     _, batch, n_out, _ = key
     big_tiles = batch * (-(-n_out // 128)) ** 2
     if big_tiles < sm_count(device):

@@ -48,20 +48,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from speedrun.kernels.fp8_cache import (
-    E5M2,
-    _fp8_bits,
-    _fp8_bits_hw,
-    _round_to_grid,
-    cdiv,
-    grid_constants,
-    interpreting,
-    next_pow2,
-    triton_usable,
-)
-from speedrun.kernels.launch import launch
+from speedrun.kernels._triton import cdiv, interpreting, launch, next_pow2, triton_usable
+from speedrun.kernels.fp8_cache import E5M2, _fp8_bits, _fp8_bits_hw, _round_to_grid, grid_constants
 from speedrun.kernels.launch_notes import launch_note
-from speedrun.model.rotary import apply_rotary
+from speedrun.kernels.rotary import apply_rotary
 
 __all__ = ["CONFIGS", "qk_prep", "qk_prep_reference", "qk_prep_bytes"]
 

@@ -20,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from speedrun.kernels.fp8_cache import cdiv, triton_usable
-from speedrun.kernels.launch import launch
+from speedrun.kernels._triton import cdiv, launch, triton_usable
 from speedrun.kernels.launch_notes import launch_note
 
 BLOCK_ROWS, BLOCK_D, NUM_WARPS = 16, 256, 4

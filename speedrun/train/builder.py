@@ -145,7 +145,7 @@ def configure_kernel_launch(cfg: RunConfig) -> None:
     writes the transposed logit gradient too).  Arms of one benchmark process re-apply it before each step."""
     import sys
 
-    from speedrun.kernels import launch
+    from speedrun.kernels import _triton as launch
 
     choices = ("cached", "plain")
     if cfg.train.triton_launch not in choices:
