@@ -2,7 +2,7 @@
 forward + backward: the sliced RoPE formulation, the elementwise one on sliced or split q/k/v, and
 upstream's chunked bf16-factor one, on one CUDA GPU.
 
-Why: the fifth/sixth device sessions' kernel inventory (``benchmarks/compare_kernels.py`` of our
+Why: the fifth/sixth device sessions' kernel inventory (``tools/compare_kernels.py`` of our
 record profile against upstream f411b3d's) put ~80 ms per stage-3 step into Inductor pointwise
 kernels named ``..._fused_rms_norm_backward_..._slice_backward...`` against ~11 ms upstream.
 The record path rotated with slices, ``stack`` and ``cat`` (:func:`speedrun.model.rotary.apply_rotary`,

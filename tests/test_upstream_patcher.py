@@ -1,4 +1,4 @@
-"""CPU tests of the upstream-benchmark tooling in benchmarks/: patcher, FA3 shim, step-time parser.
+"""CPU tests of the upstream-benchmark tooling in tools/: patcher, FA3 shim, step-time parser.
 
 The real upstream files are never stored here; set SPEEDRUN_UPSTREAM_SRC to a folder holding
 modded-nanogpt's train_gpt.py, triton_kernels.py and dc_triton_kernels.py at f411b3d (or their
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[1] / "tools"
 
 
 def _load(name: str):
@@ -401,7 +401,7 @@ def test_compare_kernels_same_name_means_as_often_too(tmp_path):
 
 def test_stage_marks_patch_writes_the_phases_gpu_clocks_reads(tmp_path, monkeypatch):
     """Rank 0 marks each stage start, the extension and the final validation with wall-clock
-    seconds, in the 'NAME EPOCH' lines benchmarks/gpu_clocks.py splits a clock log by."""
+    seconds, in the 'NAME EPOCH' lines tools/gpu_clocks.py splits a clock log by."""
     import time
 
     opts = up.BenchOptions(scheduled=6, extension=2)

@@ -9,7 +9,7 @@ functions with each other, not with the unprofiled step time) and prints the fun
 most own time and the most cumulative time, one table per arm.
 
 Usage (GPU machine, repo root):
-  python benchmarks/host_profile.py --arm record --arm candidate --stage 0 \
+  python tools/host_profile.py --arm record --arm candidate --stage 0 \
       --data '/tmp/webmix/webmix_train_*.bin' --set train.max_docs=256 [--out DIR]
 Writes ``host_profile_<arm>.txt`` into ``--out`` (default ``$OUT`` or ``bench_out``).
 """

@@ -21,7 +21,7 @@ host time per micro-batch from the per-call costs ``benchmarks/bench_host.py`` m
 ``TRITON_INTERPRET=1`` set here) or on a GPU; device-dependent branches (TMA descriptors, cuBLAS
 ``_scaled_mm``) can differ between the two, so the printout names the device.
 
-Usage: ``python benchmarks/launch_inventory.py [--arms record candidate] [--tokens 256]``;
+Usage: ``python tools/launch_inventory.py [--arms record candidate] [--tokens 256]``;
 writes ``$OUT/launch_inventory.json``.
 """
 
