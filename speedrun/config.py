@@ -22,7 +22,7 @@ from speedrun.errors import ConfigError
 
 # train.ce_sigmoid's values; speedrun.kernels.cross_entropy takes them from here
 CE_SIGMOID_CHOICES = ("exact", "tanh")
-# train.ce_grad_layout's values (speedrun.kernels.cross_entropy.GRAD_LAYOUT)
+# train.ce_grad_layout's values (speedrun.kernels.options.KernelOptions)
 CE_GRAD_LAYOUT_CHOICES = ("transpose", "dual")
 
 
@@ -259,23 +259,23 @@ class TrainConfig:
     # (less host time per launch; longer compile).  An experiment arm, off by default.
     compile_cpp_wrapper: bool = False
     # How our Triton kernels are launched from Python: "cached" = through the compiled kernel's
-    # handle after the first launch of each specialisation (speedrun.kernels.launch; ~10 us
-    # instead of 20-42 us per launch on the H200), "plain" = kernel[grid](...) every time (an A/B arm)
+    # handle after the first launch of each specialisation (speedrun.kernels._triton; a fraction of
+    # the plain launch's host time), "plain" = kernel[grid](...) every time (an A/B arm; process-wide)
     triton_launch: str = "cached"
-    # Route of the ReLU² MLP's fused GEMMs (speedrun.kernels.mlp.relu2_gemm; process-wide):
-    # "auto" = the kernel module's choice per direction and dtype (measured on the H200), or one
+    # Route of the ReLU² MLP's fused GEMMs (speedrun.kernels.mlp.relu2_gemm; per model, through
+    # speedrun.kernels.options.KernelOptions): "auto" = the kernel module's choice per direction and dtype, or one
     # of "fused" (pointer-store epilogue), "tma" (epilogue through TMA), "split" (cuBLAS GEMM,
     # then a Triton epilogue pass) for every call: an A/B arm
     mlp_gemm: str = "auto"
     # How the cross-entropy kernel evaluates the softcap's sigmoid: "exact" (exp2 + reciprocal) or
     # "tanh" (the GPU's approximate tanh, one instruction, as upstream's kernel; the record presets'
-    # choice: -9.7 ms per stage-3 step on the H200; training loss and gradient only, the validation
-    # loss stays exact; speedrun.kernels.cross_entropy.SIGMOID; process-wide)
+    # choice, the faster one; training loss and gradient only, the validation loss stays exact;
+    # per model, through speedrun.kernels.options.KernelOptions)
     ce_sigmoid: str = "exact"  # one of CE_SIGMOID_CHOICES
     # How the FP8 head's e5m2 logit gradient reaches the weight-gradient GEMM, which wants it
     # transposed: "transpose" (a transpose pass in the backward, as upstream) or "dual" (the CE
     # kernel writes both layouts: one read of N x V_pad bytes fewer per micro-batch;
-    # speedrun.kernels.cross_entropy.GRAD_LAYOUT; process-wide)
+    # per model, through speedrun.kernels.options.KernelOptions)
     ce_grad_layout: str = "transpose"  # one of CE_GRAD_LAYOUT_CHOICES
     preflight: bool = False  # run `speedrun doctor` checks first and refuse a broken environment
     sample_tokens: int = 200

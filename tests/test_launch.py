@@ -176,15 +176,15 @@ def test_interpreter_and_cpu_use_the_plain_launch():
 
 def test_config_switch():
     from speedrun.config import preset
-    from speedrun.train.loop import configure_kernel_launch
+    from speedrun.train.builder import kernel_options
 
     cfg = preset("tiny")
     cfg.train.triton_launch = "plain"
-    configure_kernel_launch(cfg)
+    assert kernel_options(cfg).triton_launch == "plain"
     assert not L.enabled()
     cfg.train.triton_launch = "cached"
-    configure_kernel_launch(cfg)
+    kernel_options(cfg)
     assert L.enabled()
     cfg.train.triton_launch = "fast"
     with pytest.raises(ConfigError, match="train.triton_launch must be one of cached, plain"):
-        configure_kernel_launch(cfg)
+        kernel_options(cfg)

@@ -78,9 +78,8 @@ class Session:
     def step(self, on_phase=None) -> torch.Tensor:
         """One optimizer step (see :func:`speedrun.train.loop.run_step`, which calls ``on_phase``);
         returns the loss as a device scalar."""
-        from speedrun.train.loop import configure_kernel_launch, run_step
+        from speedrun.train.loop import run_step
 
-        configure_kernel_launch(self.cfg)  # process-wide; arms interleave in one process
         span = max(1, self.stage_end - self.stage.start_step)
         step = self.stage.start_step + self.count % span
         loss = run_step(self.run_model, self.recipe, self.loader, step, self.cfg, self.info, self.dtype,
@@ -290,6 +289,10 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
     if len(freezes) > 1:
         raise ConfigError("train.gc_freeze is process-wide: every arm of one bench must use the same value, got "
                           + ", ".join(f"{n}={cfg.train.gc_freeze}" for n, cfg, _ in configs))
+    launches = {cfg.train.triton_launch for _, cfg, _ in configs}
+    if len(launches) > 1:
+        raise ConfigError("train.triton_launch is process-wide: every arm of one bench must use the same value, got "
+                          + ", ".join(f"{n}={cfg.train.triton_launch}" for n, cfg, _ in configs))
     info = distributed.setup(configs[0][1].train.device)
     meter = MemoryMeter(info.device)
     collections, frozen = CollectionMeter(), 0

@@ -50,6 +50,10 @@ class TrainableModel(nn.Module):
         when the run trains in bf16; the default keeps fp32 weights)."""
         return self
 
+    def set_kernel_options(self, options) -> None:
+        """Hand the run's :class:`speedrun.kernels.options.KernelOptions` to the fused kernels this
+        model runs (called once by the builder; a model without fused kernels ignores them)."""
+
     def warm_tables(self, max_tokens: int, device: torch.device | str) -> None:
         """Build position tables for micro-batches of up to ``max_tokens`` tokens before compiling."""
 

@@ -668,6 +668,12 @@ class RecordGPT(TrainableModel):
     # ------------------------------------------------------------------------------------------
     # TrainableModel hooks (the training loop's calls; see speedrun.model.interface)
 
+    def set_kernel_options(self, options) -> None:
+        """The fused loss head's and MLP's options (CE sigmoid and gradient layout, GEMM route)."""
+        from speedrun.model.kernel_hooks import set_kernel_options
+
+        set_kernel_options((self.ce_impl, self.mlp_impl), options)
+
     def after_optimizer_step(self) -> None:
         """Re-quantise the FP8 weight copies (:meth:`refresh_fp8_weights`) when any are used."""
         if self.uses_fp8_weights:

@@ -5,7 +5,9 @@
 model, recipe, dtype, kernel options and loaders a training run uses.  Order of the build
 (it fixes the random stream the weights come from): validate the config, pick the dtype, resolve
 the data, seed, build and cast the model, build the recipe (optimizer, schedule), plan the
-micro-batches, warm the position tables, install the kernel options, compile.
+micro-batches, warm the position tables, compile.  The kernel options
+(:class:`~speedrun.kernels.options.KernelOptions`) are checked first and handed to the model's
+fused kernels right after it is built.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from pathlib import Path
 import torch
 
 from speedrun.compiling import allow_schedule_variants
-from speedrun.config import CE_GRAD_LAYOUT_CHOICES, CE_SIGMOID_CHOICES, RunConfig, Stage
+from speedrun.config import RunConfig, Stage
 from speedrun.errors import ConfigError, DataError
+from speedrun.kernels.options import KernelOptions
 from speedrun.model import build_model
 from speedrun.model.interface import TrainableModel
 from speedrun.train.recipes import build_recipe
@@ -135,41 +138,14 @@ def validation_batch_tokens(cfg: RunConfig, plans: list[MicroBatching]) -> int:
     return max(1, want // max(1, cfg.train.batch_divisor))
 
 
-MLP_GEMM_CHOICES = ("auto", "fused", "tma", "split")
+def kernel_options(cfg: RunConfig) -> KernelOptions:
+    """The run's :class:`~speedrun.kernels.options.KernelOptions` (checked), with the launch path
+    of our Triton kernels applied: that one is process-wide (``train.triton_launch``)."""
+    from speedrun.kernels import _triton
 
-
-def configure_kernel_launch(cfg: RunConfig) -> None:
-    """Apply the process-wide kernel routing: ``train.triton_launch`` (how our Triton kernels are
-    launched), ``train.mlp_gemm`` (the ReLU² GEMMs' route), ``train.ce_sigmoid`` (how the CE
-    kernel evaluates the softcap's sigmoid) and ``train.ce_grad_layout`` (whether the CE kernel
-    writes the transposed logit gradient too).  Arms of one benchmark process re-apply it before each step."""
-    import sys
-
-    from speedrun.kernels import _triton as launch
-
-    choices = ("cached", "plain")
-    if cfg.train.triton_launch not in choices:
-        raise ConfigError(f"train.triton_launch must be one of {', '.join(choices)}, got {cfg.train.triton_launch!r}")
-    if cfg.train.mlp_gemm not in MLP_GEMM_CHOICES:
-        raise ConfigError(f"train.mlp_gemm must be one of {', '.join(MLP_GEMM_CHOICES)}, got {cfg.train.mlp_gemm!r}")
-    if cfg.train.ce_sigmoid not in CE_SIGMOID_CHOICES:
-        raise ConfigError(f"train.ce_sigmoid must be one of {', '.join(CE_SIGMOID_CHOICES)}, "
-                          f"got {cfg.train.ce_sigmoid!r}")
-    if cfg.train.ce_grad_layout not in CE_GRAD_LAYOUT_CHOICES:
-        raise ConfigError(f"train.ce_grad_layout must be one of {', '.join(CE_GRAD_LAYOUT_CHOICES)}, "
-                          f"got {cfg.train.ce_grad_layout!r}")
-    launch.set_enabled(cfg.train.triton_launch == "cached")
-    if (cfg.train.ce_sigmoid != "exact" or cfg.train.ce_grad_layout != "transpose"
-            or "speedrun.kernels.cross_entropy" in sys.modules):
-        from speedrun.kernels import cross_entropy
-
-        cross_entropy.SIGMOID = cfg.train.ce_sigmoid
-        cross_entropy.GRAD_LAYOUT = cfg.train.ce_grad_layout
-    # Not imported yet means nothing changed its default: no import (it needs Triton) for "auto".
-    if cfg.train.mlp_gemm != "auto" or "speedrun.kernels.mlp" in sys.modules:
-        from speedrun.kernels import mlp
-
-        mlp.GEMM_IMPL = mlp.DEFAULT_GEMM_IMPL if cfg.train.mlp_gemm == "auto" else cfg.train.mlp_gemm
+    options = KernelOptions.from_config(cfg.train)
+    _triton.set_enabled(options.triton_launch == "cached")
+    return options
 
 
 def compile_model(model, cfg: RunConfig):
@@ -241,6 +217,7 @@ class Run:
     train_files: list[Path]
     val_files: list[Path] | None
     tokenizer: object | None
+    kernel_options: KernelOptions
 
     @property
     def device(self) -> torch.device:
@@ -282,7 +259,7 @@ def build_run(cfg: RunConfig, info) -> Run:
     Bad config or data is refused here, before anything is trained.  The position tables are
     built for the largest micro-batch of any stage and the validation batch, before compiling."""
     cfg.model.validate()
-    configure_kernel_launch(cfg)
+    options = kernel_options(cfg)  # refuses bad values before anything is built
     device = info.device
     dtype = resolve_dtype(cfg, device)
     train_files, val_files, tokenizer = resolve_data(cfg)
@@ -290,6 +267,7 @@ def build_run(cfg: RunConfig, info) -> Run:
     model = build_model(cfg.model).to(device)
     if dtype == torch.bfloat16:
         model.cast_for_training(torch.bfloat16)
+    model.set_kernel_options(options)
     recipe = build_recipe(cfg, model, info, tokenizer)
     plans = [micro_batching(s, cfg, info.world_size) for s in recipe.stages]
     val_batch = validation_batch_tokens(cfg, plans)
@@ -297,4 +275,5 @@ def build_run(cfg: RunConfig, info) -> Run:
     recipe.max_tokens = max(max(p.tokens for p in plans), val_batch)
     model.warm_tables(recipe.max_tokens, device)
     run_model = compile_model(model, cfg)
-    return Run(cfg, info, dtype, model, run_model, recipe, plans, val_batch, train_files, val_files, tokenizer)
+    return Run(cfg, info, dtype, model, run_model, recipe, plans, val_batch, train_files, val_files, tokenizer,
+               options)
