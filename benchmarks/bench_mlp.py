@@ -393,8 +393,7 @@ def main(argv=None) -> int:
                 ms = _bench(lambda t=t: quantize_dual_layout(t, s), rep_ms=100)
                 sweep.append({"kind": f"quant {what}", "config": list(c), "ms": ms, "tbps": t.numel() * 4 / (ms * 1e-3) / 1e12})
         FC.QUANT_CONFIG = saved_q
-        # abs_max (current scaling's amax pass, 88 per record stage-3 step): 47% of the copy
-        # bandwidth at (4096, 8, 4) in the eleventh session
+        # abs_max (current scaling's amax pass, 88 per record stage-3 step): its block config sweep
         saved_a = FC.ABS_MAX_CONFIG
         amax_configs = [(b, w, p) for b in (2048, 4096, 8192) for w in (4, 8, 16) for p in (2, 4, 8)]
         for c in amax_configs if wanted is None or wanted.search("amax") else []:

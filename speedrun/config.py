@@ -222,8 +222,8 @@ class TrainConfig:
     optimizer_kernels: str = "auto"
     # NorMuon's elementwise work around Polar Express (momentum, normalisation, variance reduction,
     # cautious decay, the bf16 + mantissa split) fused by torch.compile (Inductor), as upstream
-    # does, instead of ~34 eager passes over each bank per step: -5.2 ms per stage-3 step on the
-    # H200 (seventeenth session).  On in the record presets; off here, where a CPU run would pay
+    # does, instead of ~34 eager passes over each bank per step.  On in the record presets; off
+    # here, where a CPU run would pay
     # Inductor's CPU compile for little.
     optimizer_compile: bool = False
     muon_lr: float = 0.023
@@ -351,8 +351,8 @@ def record() -> RunConfig:
             vocab_size=50257, num_layers=11, model_dim=768, num_heads=6, qk_head_dim=128, v_head_dim=128,
             architecture="record", kernels="fp8", embedding_grad="atomic",
             # the MLP input quantised in the compiled graph (upstream's arithmetic), the MLP bank's
-            # gradient summed in place, the MUDD / gate GEMMs aligned: on for the run that measured
-            # 0.9968 of upstream f411b3d per stage-3 step (docs/perf-notes.md, twenty-fourth session)
+            # gradient summed in place, the MUDD / gate GEMMs aligned: the configuration compared
+            # with upstream f411b3d step for step (docs/status.md)
             mlp_input_quant="graph", mlp_weight_grad="accumulate", gate_gemm_align=8,
         ),
         data=DataConfig(
@@ -390,12 +390,10 @@ def candidate() -> RunConfig:
     96 wide (V and the residual stay 128), one packed FP8 QKV GEMM per layer, fused QK-prep, FP8
     across the whole MLP with delayed input scaling, and 45 extension steps (1315).
 
-    Delayed scaling (docs/perf-notes.md, sixteenth and seventeenth device sessions): 0.903 of the
-    record per stage-3 step against 0.919 with current scaling, and a shortened loss A/B against
-    the record with no loss cost (3 seeds per arm).  The QK-prep backward writes the packed QKV
-    GEMM's e5m2 output gradient itself (``qk_prep_fp8_grad``; the same bytes the GEMM's quantise
-    pass would make, so the loss is unchanged): 0.9965 of the candidate without it and 0.894 of the
-    record per stage-3 step on the H200 (twenty-first session)."""
+    Delayed scaling because it is faster per step than current scaling and a shortened loss A/B
+    against the record found no loss cost (docs/status.md).  The QK-prep backward writes the packed
+    QKV GEMM's e5m2 output gradient itself (``qk_prep_fp8_grad``; the same bytes the GEMM's
+    quantise pass would make, so the loss is unchanged), saving that pass."""
     cfg = record()
     cfg.name = "candidate"
     cfg.model.qk_head_dim = 96

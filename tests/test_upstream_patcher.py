@@ -330,7 +330,7 @@ def test_compare_kernels_per_step_and_by_family(tmp_path, capsys):
                                     {"kernel": "triton_poi_fused_add_0", "calls": 2, "time_us": 200.0}]}
     theirs = {"steps": 1, "kernels": [
         {"kernel": "nvjet_sm90_tst_256x128", "calls": 2, "time_us": 1500.0},
-        # real names (sixth device session): flash kernels name cutlass types, upstream's own Triton
+        # real names from a profile of upstream: flash kernels name cutlass types, upstream's own Triton
         # kernels have no leading underscore
         {"kernel": "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, "
                    "cutlass::bfloat16_t>>", "calls": 1, "time_us": 700.0},

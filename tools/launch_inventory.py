@@ -15,9 +15,8 @@ scales ready, as from the second training step on), and counts inside each call:
 ``fp8_ops.scaled_mm`` counts as one launch (its CPU emulation is ~6 eager ops).
 
 It prints per opaque kernel: calls per micro-batch and launches per call, and an estimate of the
-host time per micro-batch from the per-call costs ``benchmarks/bench_host.py`` measured on the H200
-(sixth device session: Triton launch 22-54 us, eager op 13.5 us, allocation 7 us, opaque round trip
-16-24 us measured on the CPU after the low-level op change).  Runs on the CPU (Triton interpreter,
+host time per micro-batch from per-call costs ``benchmarks/bench_host.py`` measured on the H200
+(:data:`HOST_US`; the opaque round trip measured on the CPU).  Runs on the CPU (Triton interpreter,
 ``TRITON_INTERPRET=1`` set here) or on a GPU; device-dependent branches (TMA descriptors, cuBLAS
 ``_scaled_mm``) can differ between the two, so the printout names the device.
 
@@ -41,7 +40,8 @@ if __name__ == "__main__" and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-# host microseconds per call (bench_host.py, H200, sixth session; opaque: CPU after the change)
+# host microseconds per call, (low, high): benchmarks/bench_host.py's measurements on the H200
+# (opaque: on the CPU); inputs of the estimate, refresh them from a new bench_host.py run
 HOST_US = {"triton": (22.4, 53.7), "eager": (13.5, 13.5), "alloc": (7.0, 7.0), "opaque": (16.0, 24.0)}
 
 

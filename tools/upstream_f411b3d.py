@@ -31,7 +31,7 @@ Patches (in train_gpt.py, plus one in triton_kernels.py; dc_triton_kernels.py is
 * triton_kernels.py: the FP8 MLP down projection's two scale tensors are copied into buffers of
   their own before ``torch._scaled_mm``: upstream passes views into per-layer scale buffers
   (``scales[i:i+1]``), which are not 16-byte aligned for most layers, and torch 2.11's cuBLASLt
-  refuses those with CUBLAS_STATUS_NOT_SUPPORTED (docs/perf-notes.md; our own FP8 cache keeps one
+  refuses those with CUBLAS_STATUS_NOT_SUPPORTED (our own FP8 cache keeps one
   16-byte slot per scale for the same reason).  The copy is a concatenation, not ``.clone()``,
   which Inductor elides (:func:`aligned_copy`).  Cost: two tiny kernels per layer.
 

@@ -34,7 +34,8 @@ from speedrun.errors import ConfigError
 
 AttentionFn = Callable[..., torch.Tensor]
 
-# Preference order for "auto" on CUDA, fastest first (measured at stage-3 shapes: docs/perf-notes.md).
+# Preference order for "auto" on CUDA, fastest first at the record's stage-3 shapes
+# (benchmarks/bench_attention.py times them).
 _CUDA_PREFERENCE = ("fa3", "varlen", "flex", "reference")
 
 

@@ -5,7 +5,7 @@ optimizer and loader, built once with the same pieces :func:`speedrun.train.loop
 Every arm is warmed up first (compilation and autotuning happen there, untimed); then the arms
 are timed interleaved, the order rotating each round (``A B C``, ``B C A``, ``C A B``, ...), so
 slow drifts of the node (clocks, temperature) hit every arm alike and no arm always follows the
-same one (the fifteenth device session saw a fixed order confound a 2% difference).  A step is
+same one (a fixed order has confounded a difference of a few percent).  A step is
 timed from an idle device: synchronize, record a CUDA event, run
 :func:`~speedrun.train.loop.run_step` (all ``grad_accum`` micro-batches, the gradient
 all-reduce and the optimizer update of the run's recipe), record a second event, synchronize.  On the CPU the step is

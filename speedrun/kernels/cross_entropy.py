@@ -32,7 +32,7 @@ What is here:
 * :func:`softcapped_ce_fwd_bwd` (Triton) and :func:`softcapped_ce_fwd_bwd_reference` (PyTorch): one
   kernel over a logits matrix giving the per-token loss and ``dlogits = d(sum_t loss_t)/dlogits``
   times ``grad_out_scale``, written as bf16/fp32 or directly as FP8 e5m2.  It reads each row
-  twice (statistics, then gradients): Nsight Compute measured 2.0x the logits' bytes read.
+  twice (statistics, then gradients): Nsight Compute measured twice the logits' bytes read.
 * :func:`fused_softcapped_ce` (autograd Function :class:`FusedSoftcappedCE`) and its reference
   :func:`fused_softcapped_ce_reference`: the whole head from ``x`` and ``W``.  Forward runs the GEMM
   and the CE kernel, which also writes ``dlogits``; backward is two GEMMs.
@@ -54,11 +54,10 @@ softmax excludes padded columns (the record normalises over all 50304); the soft
 weight sums only the terms that are active for the row (the record adds every MTP weight even where
 the batch end masks the term); ``sigmoid`` is kept in fp32 rather than staged as bf16.  All three
 make the kernel equal to the autograd gradient of the reference loss.  What limits the kernel is
-the GPU's special-function unit (ex2, rcp, tanh: 16 per clock per SM on Hopper), not memory: on
-the H200 a stage-3 call (49,152 x 50,304) takes ~4.5 ms against 3.5 ms for its six SFU
-instructions per logit.  ``sigmoid="tanh"`` (``train.ce_sigmoid``) evaluates the sigmoid as
-``0.5 + 0.5 tanh(x / 2)`` with ``tanh.approx.f32`` as the record does (four per logit: ~3.7 ms
-against a 2.4 ms floor); the capped logits then move by up to ``A * 2**-12``, about 0.006, where
+the GPU's special-function unit (ex2, rcp, tanh: 16 per clock per SM on Hopper), not memory: a
+stage-3 call runs near the time of its six SFU instructions per logit (docs/kernels/cross_entropy.md).
+``sigmoid="tanh"`` (``train.ce_sigmoid``) evaluates the sigmoid as ``0.5 + 0.5 tanh(x / 2)``
+with ``tanh.approx.f32`` as the record does (four per logit); the capped logits then move by up to ``A * 2**-12``, about 0.006, where
 the record's bf16 staging moves them by up to ``A * 2**-9``.
 """
 
@@ -487,7 +486,7 @@ def _ce_fwd_bwd_kernel(
     # few target columns.  STORE_T: every store also goes to dlogits_t (V_pad, N), the layout the
     # weight-gradient GEMM reads, so no transpose pass follows.  At the record's vocab a row is
     # 100 KB: with one program per row block thousands of rows are in flight, pass 2 misses L2, and
-    # Nsight Compute measured 2.0x the logits' bytes read (seventh device session);
+    # Nsight Compute measured twice the logits' bytes read;
     # ``max_programs`` bounds the rows in flight.
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
@@ -677,7 +676,7 @@ def _check_scale_rows(x: torch.Tensor, row_scale: torch.Tensor, name: str) -> No
 def scale_rows_(x: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
     """``x[i, :] *= row_scale[i]`` in place, the product in fp32 rounded once to x's dtype: the
     per-token loss gradient applied to the head's dX (one read and one write of x; eager torch
-    took three passes and two fp32 temporaries, ~0.27 ms per record micro-batch).
+    took three passes and two fp32 temporaries).
 
     x: (N, D) contiguous bf16/fp16; row_scale: (N,) contiguous fp32.  Returns x.  Triton on CUDA
     or under the interpreter, else :func:`scale_rows_reference_` (same bits)."""
@@ -720,7 +719,7 @@ TRANSPOSED_BLOCK_V = 128
 
 def _default_block_v(n_cols: int) -> int:
     # H200, N=49152, V=50304, e5m2 out (benchmarks/bench_cross_entropy.py --sweep): 1024 columns
-    # x 4 warps and 512 x 2 warps ran 4.2 ms; 4096 x 8 warps 5.3 ms; 2 rows per program no better.
+    # x 4 warps and 512 x 2 warps tie for fastest; 4096 x 8 warps is slower; 2 rows per program no better.
     return min(1024, next_pow2(max(n_cols, 16)))
 
 

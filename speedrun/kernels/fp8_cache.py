@@ -531,7 +531,7 @@ def current_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     """Current scaling's ``max(amax, 1e-12) / fmax`` (fp32, elementwise), correctly rounded on every
     device, as the quantise kernel computes it (``div_rn``).  Not ``amax / fmax``: torch on CUDA
     divides by a Python scalar as a multiply by the scalar's rounded reciprocal, one ulp off for
-    some amaxes (amax 5.25: 0.011718750931 instead of 0.01171875, seventh device session), which
+    some amaxes (amax 5.25: 0.011718750931 instead of 0.01171875), which
     moves ~3% of the quantised bytes; a same-device tensor divisor takes the true division."""
     return amax.clamp_min(AMAX_FLOOR) / torch.full((), fmax, dtype=torch.float32, device=amax.device)
 

@@ -11,8 +11,8 @@ The arithmetic follows the reference operation by operation in fp32 (``lerp`` wi
 two-sided formula, correctly rounded ``sqrt`` and division).  The two ``addcmul``s (second moment,
 cautious decay) are torch's ``a + value * (b * c)``, which nvcc contracts into one FMA; a Triton
 compiler free to contract as it chooses came within 4 fp32 ulps, so the GPU build spells the
-roundings out with libdevice (``mul_rn``, ``fma_rn``).  Measured on the H200 (ninth session, 3
-steps at the record's table shapes): exp_avg, exp_avg_sq and p **bit-equal** to the eager
+roundings out with libdevice (``mul_rn``, ``fma_rn``).  On the H200 (3 steps at the record's
+table shapes, tests/gpu/test_fused_adam_gpu.py): exp_avg, exp_avg_sq and p **bit-equal** to the eager
 reference (with ``fma(value * b, c, a)`` instead, 14% of exp_avg_sq differed).  The interpreter has
 no libdevice: on the CPU the tests bound the moments at a few fp32 ulps and p at a few ulps of
 its dtype.

@@ -433,8 +433,8 @@ TMA_CONFIGS = {
 # impl "tma" (:func:`_relu2_gemm_tma_store_kernel`, epilogue through TMA too), same keys.
 TMA_STORE_CONFIGS = {
     "bf16": (128, 256, 64, 8, 8, 3),
-    # the FP8 dpre (e5m2 both layouts): 256 x 128 tiles 0.465 ms against 0.489 for 128 x 256 and
-    # 0.487 for the split route (H200, T = 49,152, bench_mlp --sweep, 2026-12-04)
+    # the FP8 dpre (e5m2 both layouts): 256 x 128 tiles, the fastest of bench_mlp --sweep on the
+    # H200 at T = 49,152 (faster than 128 x 256 and than the split route)
     "fp8": (256, 128, 128, 8, 8, 3),
     "fp8_fwd": (128, 256, 128, 8, 8, 3),
 }
@@ -488,7 +488,7 @@ def _use_tma_store(a, b, operands_tma, aux, out, out_q, out_qt) -> bool:
     return operands_tma and all(_tma_ready(t) for t in (aux, out, out_q, out_qt) if t is not None)
 
 
-_INTERP_CONFIG = (32, 64, 32, 2, 1, 1)  # few, fat programs: the interpreter pays ~50 ms per program
+_INTERP_CONFIG = (32, 64, 32, 2, 1, 1)  # few, fat programs: the interpreter pays a high cost per program
 
 
 def _check_gemm_args(a, b, aux, aux_scale, a_scale, b_scale, q_dtype, q_scale, store_out, emit_transposed, amax):

@@ -323,7 +323,7 @@ def _launch_sym(kernel, name: str, A: Tensor, out: Tensor, n_out: int, reduce_di
     a3, c3 = _as3d(A), _as3d(out)
     bm, bn, bk, stages, warps = _config(reduce_dim, name, A.element_size(), (name, a3.size(0), n_out, reduce_dim),
                                         A.device)
-    grid = (-(-n_out // bm) * -(-n_out // bn), a3.size(0))  # (triton.cdiv costs ~4 us from Python)
+    grid = (-(-n_out // bm) * -(-n_out // bn), a3.size(0))  # (triton.cdiv is slow to call from Python)
     if grid[1] > 65535:
         raise ValueError(f"{name}: batch of {grid[1]} exceeds the 65535 grid limit")
     sizes = (a3.size(1), a3.size(2)) if kernel is not _ba_plus_caa_kernel else (a3.size(1),)

@@ -780,8 +780,7 @@ class RecordGPT(TrainableModel):
         w = torch.cat((qk_w[j].reshape(2 * H * dqk, -1), vo_w[2 * j])).type_as(h) * sa[0]
         # split, not slicing: the backward is then a cat that Inductor writes region by region,
         # where three slice_backwards summed compiled to one flat loop over (T, 2304) with three
-        # masked regions, bound by its index arithmetic (~0.65 ms per layer at stage 3, seventh
-        # device session; docs/perf-notes.md)
+        # masked regions, bound by its index arithmetic
         q, k, v = torch.split(F.linear(h, w), (H * dqk, H * dqk, H * dv), dim=1)
         q, k, v = _norm(q.view(T, H, dqk)), _norm(k.view(T, H, dqk)), v.view(T, H, dv)
         if paired:
@@ -1065,7 +1064,7 @@ class RecordGPT(TrainableModel):
         xb = bigram_rows * signs.type_as(self.bigram_embed)
         xb = xb.type_as(x)
         # n_ve tensors (T, D), unbound once: their gradient is then one stack (per-layer ve[j] indexing
-        # summed zero-padded select_backwards over the whole (n_ve, T, D), ~1.1 ms per stage-3 micro-batch)
+        # summed zero-padded select_backwards over the whole (n_ve, T, D), a pass per table)
         ve = ve_all.type_as(x).unbind(0)
 
         smear_lambda = self.scalars[2 * L]
@@ -1087,7 +1086,7 @@ class RecordGPT(TrainableModel):
         pa, pm = self.post_lambdas[:, 0].type_as(x), self.post_lambdas[:, 1].type_as(x)
         # Each layer's (fc, proj) by unbind, not bank[i, 0] indexing: the gradient of 2L selects
         # was one pointwise kernel over the whole bank loading all 2L per-layer gradients for every
-        # element (4.3 ms per stage-3 step, ~10x its bytes, seventh device session); unbind's
+        # element (about ten times its bytes); unbind's
         # backward is a stack, written region by region.
         mlp_w = [layer.unbind(0) for layer in self.mlp_bank.unbind(0)]
         # Evaluation runs without FP8, as upstream's does: its MLP in plain bf16 (so do the packed

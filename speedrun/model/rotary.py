@@ -67,8 +67,7 @@ def rotate_with_factors(x: torch.Tensor, f_cos: torch.Tensor, f_sin: torch.Tenso
     them) broadcastable to x.  Gives :func:`apply_rotary`'s values (the same fp32 products and
     sums; stationary dims are ``x * 1 + y * 0 = x`` exactly) without its slices, ``stack`` and
     ``cat``.  (The slow backward kernels once blamed on those slices were the summed
-    ``slice_backward``s of the q/k/v slicing around it, seventh device session; the record now
-    splits qkv.  ``benchmarks/bench_rotary.py`` times the formulations.)"""
+    ``slice_backward``s of the q/k/v slicing around it; the record now splits qkv.  ``benchmarks/bench_rotary.py`` times the formulations.)"""
     xf = x.float()
     return (xf * f_cos + swap_pairs(xf) * f_sin).to(x.dtype)
 
