@@ -42,6 +42,8 @@ from speedrun.evidence.arms import ArmSpec
 from speedrun.train.collector import CollectionMeter, CollectionStats, freeze_long_lived, thaw
 
 MIN_STEPS = 20  # the CLI's floor; fewer steps make the median and the bootstrap too coarse
+# train fields that act on the whole process (the heap freeze, the Triton launch path): one value for all arms
+PROCESS_WIDE = ("gc_freeze", "triton_launch")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,14 +287,11 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
     devices = {cfg.train.device for _, cfg, _ in configs}
     if len(devices) > 1:
         raise ConfigError(f"all arms must use one train.device, got {sorted(devices)}")
-    freezes = {cfg.train.gc_freeze for _, cfg, _ in configs}
-    if len(freezes) > 1:
-        raise ConfigError("train.gc_freeze is process-wide: every arm of one bench must use the same value, got "
-                          + ", ".join(f"{n}={cfg.train.gc_freeze}" for n, cfg, _ in configs))
-    launches = {cfg.train.triton_launch for _, cfg, _ in configs}
-    if len(launches) > 1:
-        raise ConfigError("train.triton_launch is process-wide: every arm of one bench must use the same value, got "
-                          + ", ".join(f"{n}={cfg.train.triton_launch}" for n, cfg, _ in configs))
+    for field in PROCESS_WIDE:
+        values = {getattr(cfg.train, field) for _, cfg, _ in configs}
+        if len(values) > 1:
+            raise ConfigError(f"train.{field} is process-wide: every arm of one bench must use the same value, got "
+                              + ", ".join(f"{n}={getattr(cfg.train, field)}" for n, cfg, _ in configs))
     info = distributed.setup(configs[0][1].train.device)
     meter = MemoryMeter(info.device)
     collections, frozen = CollectionMeter(), 0
