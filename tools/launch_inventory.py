@@ -161,8 +161,8 @@ def inventory(arm: str, tokens: int, device: torch.device, overrides=()) -> dict
     apply_overrides(cfg, list(overrides))
     torch.manual_seed(0)
     model = build_model(cfg.model).to(device)
-    if device.type == "cuda" and hasattr(model, "cast_to_record_dtypes"):
-        model.cast_to_record_dtypes(torch.bfloat16)
+    if device.type == "cuda":
+        model.cast_for_training(torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     V = cfg.model.vocab_size
     batch = SimpleNamespace(
@@ -172,13 +172,11 @@ def inventory(arm: str, tokens: int, device: torch.device, overrides=()) -> dict
         max_seqlen=tokens, bigram=None)
     args = ForwardArgs(window_short=128, window_long=256, mtp_weights=(1.0, 0.5), prefix_weight=0.0)
     per_kernel: dict = {}
-    if hasattr(model, "refresh_fp8_weights"):
-        model.refresh_fp8_weights()  # as training does once per optimizer update
+    model.after_optimizer_step()  # FP8 weight copies, as training refreshes them once per update
     # One step first, as in training from step 1 on: it registers the kernels and ends an FP8 step,
     # so the delayed scales are ready (before that each call calibrates with an extra GEMM).
     model.loss(batch, args).backward()
-    if hasattr(model, "end_fp8_step"):
-        model.end_fp8_step()
+    model.end_step()
     model.zero_grad(set_to_none=True)
     with counting(per_kernel), torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         loss = model.loss(batch, args)
