@@ -706,8 +706,10 @@ def relu2_gemm_reference(
     out: torch.Tensor | None = None,
     out_q: torch.Tensor | None = None,
     out_qt: torch.Tensor | None = None,
+    impl: str | dict[tuple[str, bool], str] | None = None,
 ) -> GemmOut:
-    """Plain-PyTorch reference of :func:`relu2_gemm` (same signature; fp32 math)."""
+    """Plain-PyTorch reference of :func:`relu2_gemm` (same signature; fp32 math; ``impl``, the
+    kernel's route, is ignored)."""
     _check_gemm_args(a, b, aux, aux_scale, a_scale, b_scale, q_dtype, q_scale, store_out, emit_transposed, amax)
     out, out_q, out_qt, amax = _gemm_outputs(a, b, q_dtype, store_out, out_dtype, emit_transposed, amax, out, out_q, out_qt)
     acc = a.float() @ b.float().t()
