@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-sigmoid", default="exact,tanh",
                    help="comma-separated sigmoid routes the block-size sweep covers (exact, tanh)")
     p.add_argument("--sweep-persistent", action="store_true",
-                   help="also sweep persistent grids (slower at every setting in the eighth and sixteenth sessions)")
+                   help="also sweep persistent grids (so far slower at every setting)")
     p.add_argument("--sweep-transposed", action="store_true",
                    help="time the CE kernel writing both gradient layouts (train.ce_grad_layout=dual) over "
                         "rows per program x vocabulary chunk x warps, against the kernel then the transpose pass")
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                bytes_moved=n * v * 2 * 2 + n * v * 3, min_bytes=n * v * 4)
 
     # --- the head's dX times the per-token loss gradient (backward): eager torch (three passes, the
-    # route until the nineteenth session) against the in-place Triton pass; min_bytes: read + write
+    # earlier route) against the in-place Triton pass; min_bytes: read + write
     from speedrun.kernels.cross_entropy import scale_rows_
 
     dx = torch.randn(n, d, device=dev).to(torch.bfloat16)

@@ -2,8 +2,8 @@
 output columns unpadded (``model.gate_gemm_align=1``) or padded to a multiple of 8, on one CUDA GPU.
 
 Why: ``mudd_mlp`` ends in a GEMM with 5, 12, 14 or 41 output columns (K = 64 hidden).  Those row
-strides are not 16-byte aligned, so cuBLAS runs its ``align1`` kernels on them (the sixteenth
-device session's kernel table: ~0.8 ms per stage-3 step, upstream the same).  Padding w2 with zero
+strides are not 16-byte aligned, so cuBLAS runs its slow ``align1`` kernels on them (as it does
+for upstream).  Padding w2 with zero
 rows makes every stride aligned at the cost of a few zero columns.
 
 Each arm is :func:`speedrun.model.record_parts.mudd_mlp` compiled with ``torch.compile``, at
@@ -12,9 +12,9 @@ micro-batch has them.  Arms are interleaved (``--reps`` rounds of ``triton.testi
 prints medians, the ratio padded / unpadded, the byte floor at ``--copy-tbps``, and each arm's
 GEMM kernel names (torch.profiler).  Writes ``$OUT/bench_gate_gemm.json``.
 
-Caveat (twenty-fourth session, H200): each round issues ~40 small kernels per arm from the host,
-and the medians (~4-5 ms) were 17x the byte floor with a 30% IQR: the timing is launch-bound and
-does not carry over to a compiled stage-3 step, where the GPU trails the host.  Read the kernel
+Caveat: each round issues ~40 small kernels per arm from the host, so the medians sit far above
+the byte floor with a wide spread: the timing is launch-bound and does not carry over to a
+compiled stage-3 step, where the GPU trails the host.  Read the kernel
 names (which GEMMs each arm gets); time the switch in ``speedrun bench step`` arms.
 
 Usage: ``python benchmarks/bench_gate_gemm.py [--tokens 49152] [--reps 7]``.

@@ -1,8 +1,7 @@
 """Host (CPU) cost per call of each kind of launch the training step makes eagerly, on one CUDA GPU.
 
-The compiled network calls our fused kernels as opaque ops, i.e. from Python at run time, and the
-fifth device session measured ~2 ms of host time per MLP forward+backward (88 calls per step):
-at stage 1 the GPU waits for the host.  This script splits that cost into its parts, each timed
+The compiled network calls our fused kernels as opaque ops, i.e. from Python at run time, so each
+MLP forward+backward costs host time (88 calls per step): at stage 1 the GPU waits for the host.  This script splits that cost into its parts, each timed
 while a ``torch.cuda._sleep`` spin keeps the GPU busy (so no call waits for the GPU and the time
 is pure host work: Python, argument checks, allocation, the launch itself):
 
@@ -87,7 +86,7 @@ def main(argv=None) -> int:
     from speedrun.kernels import opaque
     from speedrun.kernels.fp8_cache import E4M3, E5M2, FP8Weight, abs_max, end_fp8_step, quantize_current, quantize_dual_layout
     from speedrun.kernels.fp8_ops import scaled_mm
-    from speedrun.kernels.launch import launch
+    from speedrun.kernels._triton import launch
 
     dev = "cuda"
     T, D, H = args.tokens, 768, 3072

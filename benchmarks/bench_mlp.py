@@ -290,33 +290,30 @@ def main(argv=None) -> int:
         (torch.relu(xr @ w1r.t()).square() @ w2r.t()).backward(g)
 
     mlp_ms["torch_bf16"] = rec("mlp", "fwd+bwd plain torch bf16 autograd", torch_step, 6 * gemm_flop)
-    # Interleaved rounds: GEMM_IMPL for every relu2_gemm ("fused", "tma", "split") and the module's
-    # per-case default ("default": a choice per direction and dtype).  Then the host (Python +
+    # Interleaved rounds: one route (relu2_mlp's gemm) for every relu2_gemm ("fused", "tma",
+    # "split") and the per-case default ("default": a choice per direction and dtype).  Then the host (Python +
     # launch) time of one call, measured while the GPU is held busy so nothing waits on it: a
     # call whose host time is near its GPU time is launch-bound wherever it runs eagerly (the
     # compiled network calls these kernels as opaque ops, i.e. eagerly).
-    saved_impl = M.GEMM_IMPL
-    impls = {"fused": "fused", "tma": "tma", "split": "split", "default": saved_impl}
+    impls = {"fused": "fused", "tma": "tma", "split": "split", "default": None}
     host_ms = {}
     for mode in ("fp8_fwd", "fp8_full"):
         xr, w1r, w2r = (t.clone().requires_grad_() for t in (x, w1, w2))
         state = M.MLPScaleState.create(dev)
 
-        def step(mode=mode, xr=xr, w1r=w1r, w2r=w2r, state=state):
+        def step(mode=mode, xr=xr, w1r=w1r, w2r=w2r, state=state, gemm=None):
             xr.grad = w1r.grad = w2r.grad = None
-            M.relu2_mlp(xr, w1r, w2r, mode=mode, cache=wc, scales=state).backward(g)
+            M.relu2_mlp(xr, w1r, w2r, mode=mode, cache=wc, scales=state, gemm=gemm).backward(g)
 
         step()
         end_fp8_step([state])
         times = {name: [] for name in impls}
         for _ in range(7):
             for name, impl in impls.items():
-                M.GEMM_IMPL = impl
-                times[name].append(_bench(step, rep_ms=60))
-        M.GEMM_IMPL = saved_impl
+                times[name].append(_bench(lambda impl=impl: step(gemm=impl), rep_ms=60))
         for name in impls:
             mlp_ms[f"{mode}_{name}_interleaved"] = statistics.median(times[name])
-            rows.append({"group": "mlp", "name": f"fwd+bwd {mode} GEMM_IMPL={name} (interleaved)",
+            rows.append({"group": "mlp", "name": f"fwd+bwd {mode} gemm={name} (interleaved)",
                          "ms": statistics.median(times[name]), "tflops": _tflops(6 * gemm_flop, statistics.median(times[name]))})
         host_ms[mode] = _host_ms(step)
         rows.append({"group": "host", "name": f"host ms/call (GPU kept busy): fwd+bwd {mode}", "ms": host_ms[mode]})
@@ -357,7 +354,7 @@ def main(argv=None) -> int:
         # routes: the pointer kernel (GPU_CONFIGS), TMA loads + pointer epilogue (impl "fused",
         # TMA_CONFIGS), TMA loads + TMA epilogue (impl "tma", TMA_STORE_CONFIGS)
         saved = (dict(M.GPU_CONFIGS), dict(M.TMA_CONFIGS), dict(M.TMA_STORE_CONFIGS), M.USE_TMA, M.TMA_FLATTEN,
-                 M.GEMM_IMPL)
+                 M.DEFAULT_GEMM_IMPL)
         routes = (("pointer", False, True), ("tma-load", True, True), ("tma-load", True, False),
                   ("tma-epilogue", True, True))
         for kind, what, fn in kernels:
@@ -371,7 +368,8 @@ def main(argv=None) -> int:
                     if kind == "bf16" and c[2] == 128 and c[1] == 256:
                         continue
                     M.USE_TMA, M.TMA_FLATTEN = use_tma, flatten
-                    M.GEMM_IMPL = "tma" if route == "tma-epilogue" else "fused"
+                    # the kernels below call relu2_gemm without impl: route them through the default table
+                    M.DEFAULT_GEMM_IMPL = dict.fromkeys(saved[5], "tma" if route == "tma-epilogue" else "fused")
                     base_kind = "fp8" if kind == "fp8_fwd" else kind
                     table[base_kind] = c
                     table.pop(base_kind + "_fwd", None)
@@ -383,7 +381,7 @@ def main(argv=None) -> int:
                     for t_, orig in zip((M.GPU_CONFIGS, M.TMA_CONFIGS, M.TMA_STORE_CONFIGS), saved[:3]):
                         t_.clear()
                         t_.update(orig)
-                    M.USE_TMA, M.TMA_FLATTEN, M.GEMM_IMPL = saved[3], saved[4], saved[5]
+                    M.USE_TMA, M.TMA_FLATTEN, M.DEFAULT_GEMM_IMPL = saved[3], saved[4], saved[5]
         import speedrun.kernels.fp8_cache as FC
 
         saved_q = FC.QUANT_CONFIG
@@ -395,8 +393,7 @@ def main(argv=None) -> int:
                 ms = _bench(lambda t=t: quantize_dual_layout(t, s), rep_ms=100)
                 sweep.append({"kind": f"quant {what}", "config": list(c), "ms": ms, "tbps": t.numel() * 4 / (ms * 1e-3) / 1e12})
         FC.QUANT_CONFIG = saved_q
-        # abs_max (current scaling's amax pass, 88 per record stage-3 step): 47% of the copy
-        # bandwidth at (4096, 8, 4) in the eleventh session
+        # abs_max (current scaling's amax pass, 88 per record stage-3 step): its block config sweep
         saved_a = FC.ABS_MAX_CONFIG
         amax_configs = [(b, w, p) for b in (2048, 4096, 8192) for w in (4, 8, 16) for p in (2, 4, 8)]
         for c in amax_configs if wanted is None or wanted.search("amax") else []:

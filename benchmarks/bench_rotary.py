@@ -2,13 +2,13 @@
 forward + backward: the sliced RoPE formulation, the elementwise one on sliced or split q/k/v, and
 upstream's chunked bf16-factor one, on one CUDA GPU.
 
-Why: the fifth/sixth device sessions' kernel inventory (``benchmarks/compare_kernels.py`` of our
-record profile against upstream f411b3d's) put ~80 ms per stage-3 step into Inductor pointwise
-kernels named ``..._fused_rms_norm_backward_..._slice_backward...`` against ~11 ms upstream.
+Why: a kernel inventory (``tools/compare_kernels.py`` of our record profile against upstream
+f411b3d's) put several times upstream's time into Inductor pointwise kernels named
+``..._fused_rms_norm_backward_..._slice_backward...``.
 The record path rotated with slices, ``stack`` and ``cat`` (:func:`speedrun.model.rotary.apply_rotary`,
 strided head selects on paired layers, two ``cat``s for the key offset); it now uses factor tables
 and a pair swap (:func:`speedrun.model.rotary.rotate_with_factors`, :func:`shift_stationary_keys`).
-The seventh session showed the slow kernel is the backward of the q/k/v *slicing* of the
+The slow kernel turned out to be the backward of the q/k/v *slicing* of the
 projection output (three summed slice_backwards, one flat loop with three masked regions), which
 the ``split`` arm (the record path now) replaces by a cat.
 This script times the arms, each compiled with ``torch.compile`` (default mode), per layer kind at
@@ -69,7 +69,7 @@ def sliced_prep(qkv, aux_v, cos, sin, *, kind, H, D, rope_dims):
 
 def elementwise_prep(qkv, aux_v, yarn, *, kind, H, D, rope_dims, split=False):
     """The model's own Yarn.rotate / rotate_paired and shift_stationary_keys on q, k, v taken from
-    qkv by slicing (the record path of the sixth and seventh sessions: its backward sums three
+    qkv by slicing (the record's earlier path: its backward sums three
     zero-padded ``slice_backward``s, which Inductor compiles to one flat loop over (T, 3HD) with
     three masked regions) or, ``split=True``, by ``torch.split`` (the record path now: the backward
     is a ``cat``, which Inductor writes region by region; CPU codegen shows the separate loops)."""
@@ -98,8 +98,8 @@ def chunked_prep(qkv, aux_v, f_cos, f_sin, *, kind, H, D, rope_dims):
     """Upstream f411b3d's formulation (re-written here to compare kernels): q, k, v as ``chunk``s of
     a (T, 3H, D) view, the rotation ``x * f_cos + swap_pairs(x) * f_sin`` in the activations' dtype
     against bf16 factor tables (the bench passes them rounded to bf16), the key offset as an
-    in-place slice copy.  Seventh device session: our fused backward kernel that assembles dqkv
-    (one flat index over (T, 2304) with three regions) ran at ~1.1 TB/s; this arm shows whether
+    in-place slice copy.  Our fused backward kernel that assembles dqkv (one flat index over
+    (T, 2304) with three regions) ran far below the copy bandwidth; this arm shows whether
     the (T, 3H, D) view with its head-granular regions compiles to a cheaper one."""
     T = qkv.shape[0]
     q, k, v = qkv.view(T, 3 * H, D).chunk(3, dim=1)

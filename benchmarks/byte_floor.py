@@ -2,8 +2,8 @@
 
 For each kernel of the forward and backward pass: the fewest bytes it must move through HBM (each
 input read once, each output written once) and its FLOPs; its floor is the larger of
-FLOPs / matmul rate and bytes / copy bandwidth.  Rates default to the H200 ceilings measured on
-2026-12-02 (docs/perf-notes.md): bf16 785 TFLOP/s, FP8 1263 TFLOP/s, copy 4.2 TB/s.
+FLOPs / matmul rate and bytes / copy bandwidth.  Rates default to the H200 ceilings measured with
+``benchmarks/`` (see the defaults of the command line; docs/status.md).
 
 Scope: the part of the attention layer the candidate changes (QKV projection, QK-norm + RoPE +
 key offset + layout, and the attention kernel's Q/K inputs) and the ReLU^2 MLP.  The attention

@@ -22,10 +22,10 @@ from speedrun.errors import ConfigError
 
 # train.ce_sigmoid's values; speedrun.kernels.cross_entropy takes them from here
 CE_SIGMOID_CHOICES = ("exact", "tanh")
-# train.ce_grad_layout's values (speedrun.kernels.cross_entropy.GRAD_LAYOUT)
+# train.ce_grad_layout's values (speedrun.kernels.options.KernelOptions)
 CE_GRAD_LAYOUT_CHOICES = ("transpose", "dual")
 CUDA_GRAPHS_CHOICES = ("auto", "on", "off")
-# train.mlp_gemm's and train.triton_launch's values (speedrun.train.loop.configure_kernel_launch)
+# train.mlp_gemm's and train.triton_launch's values (speedrun.kernels.options.KernelOptions)
 MLP_GEMM_CHOICES = ("auto", "fused", "tma", "split")
 TRITON_LAUNCH_CHOICES = ("cached", "plain")
 # The model's named switches and their values (ModelConfig.validate, speedrun.config_check)
@@ -231,8 +231,8 @@ class TrainConfig:
     optimizer_kernels: str = "auto"
     # NorMuon's elementwise work around Polar Express (momentum, normalisation, variance reduction,
     # cautious decay, the bf16 + mantissa split) fused by torch.compile (Inductor), as upstream
-    # does, instead of ~34 eager passes over each bank per step: -5.2 ms per stage-3 step on the
-    # H200 (seventeenth session).  On in the record presets; off here, where a CPU run would pay
+    # does, instead of ~34 eager passes over each bank per step.  On in the record presets; off
+    # here, where a CPU run would pay
     # Inductor's CPU compile for little.
     optimizer_compile: bool = False
     muon_lr: float = 0.023
@@ -279,23 +279,23 @@ class TrainConfig:
     # (less host time per launch; longer compile).  An experiment arm, off by default.
     compile_cpp_wrapper: bool = False
     # How our Triton kernels are launched from Python: "cached" = through the compiled kernel's
-    # handle after the first launch of each specialisation (speedrun.kernels.launch; ~10 us
-    # instead of 20-42 us per launch on the H200), "plain" = kernel[grid](...) every time (an A/B arm)
+    # handle after the first launch of each specialisation (speedrun.kernels._triton; a fraction of
+    # the plain launch's host time), "plain" = kernel[grid](...) every time (an A/B arm; process-wide)
     triton_launch: str = "cached"
-    # Route of the ReLU² MLP's fused GEMMs (speedrun.kernels.mlp.relu2_gemm; process-wide):
-    # "auto" = the kernel module's choice per direction and dtype (measured on the H200), or one
+    # Route of the ReLU² MLP's fused GEMMs (speedrun.kernels.mlp.relu2_gemm; per model, through
+    # speedrun.kernels.options.KernelOptions): "auto" = the kernel module's choice per direction and dtype, or one
     # of "fused" (pointer-store epilogue), "tma" (epilogue through TMA), "split" (cuBLAS GEMM,
     # then a Triton epilogue pass) for every call: an A/B arm
     mlp_gemm: str = "auto"
     # How the cross-entropy kernel evaluates the softcap's sigmoid: "exact" (exp2 + reciprocal) or
     # "tanh" (the GPU's approximate tanh, one instruction, as upstream's kernel; the record presets'
-    # choice: -9.7 ms per stage-3 step on the H200; training loss and gradient only, the validation
-    # loss stays exact; speedrun.kernels.cross_entropy.SIGMOID; process-wide)
+    # choice, the faster one; training loss and gradient only, the validation loss stays exact;
+    # per model, through speedrun.kernels.options.KernelOptions)
     ce_sigmoid: str = "exact"  # one of CE_SIGMOID_CHOICES
     # How the FP8 head's e5m2 logit gradient reaches the weight-gradient GEMM, which wants it
     # transposed: "transpose" (a transpose pass in the backward, as upstream) or "dual" (the CE
     # kernel writes both layouts: one read of N x V_pad bytes fewer per micro-batch;
-    # speedrun.kernels.cross_entropy.GRAD_LAYOUT; process-wide)
+    # per model, through speedrun.kernels.options.KernelOptions)
     ce_grad_layout: str = "transpose"  # one of CE_GRAD_LAYOUT_CHOICES
     preflight: bool = False  # run `speedrun doctor` checks first and refuse a broken environment
     sample_tokens: int = 200
@@ -371,8 +371,8 @@ def record() -> RunConfig:
             vocab_size=50257, num_layers=11, model_dim=768, num_heads=6, qk_head_dim=128, v_head_dim=128,
             architecture="record", kernels="fp8", embedding_grad="atomic",
             # the MLP input quantised in the compiled graph (upstream's arithmetic), the MLP bank's
-            # gradient summed in place, the MUDD / gate GEMMs aligned: on for the run that measured
-            # 0.9968 of upstream f411b3d per stage-3 step (docs/perf-notes.md, twenty-fourth session)
+            # gradient summed in place, the MUDD / gate GEMMs aligned: the configuration compared
+            # with upstream f411b3d step for step (docs/status.md)
             mlp_input_quant="graph", mlp_weight_grad="accumulate", gate_gemm_align=8,
         ),
         data=DataConfig(
@@ -410,12 +410,10 @@ def candidate() -> RunConfig:
     96 wide (V and the residual stay 128), one packed FP8 QKV GEMM per layer, fused QK-prep, FP8
     across the whole MLP with delayed input scaling, and 45 extension steps (1315).
 
-    Delayed scaling (docs/perf-notes.md, sixteenth and seventeenth device sessions): 0.903 of the
-    record per stage-3 step against 0.919 with current scaling, and a shortened loss A/B against
-    the record with no loss cost (3 seeds per arm).  The QK-prep backward writes the packed QKV
-    GEMM's e5m2 output gradient itself (``qk_prep_fp8_grad``; the same bytes the GEMM's quantise
-    pass would make, so the loss is unchanged): 0.9965 of the candidate without it and 0.894 of the
-    record per stage-3 step on the H200 (twenty-first session)."""
+    Delayed scaling because it is faster per step than current scaling and a shortened loss A/B
+    against the record found no loss cost (docs/status.md).  The QK-prep backward writes the packed
+    QKV GEMM's e5m2 output gradient itself (``qk_prep_fp8_grad``; the same bytes the GEMM's
+    quantise pass would make, so the loss is unchanged), saving that pass."""
     cfg = record()
     cfg.name = "candidate"
     cfg.model.qk_head_dim = 96

@@ -216,8 +216,8 @@ def test_bank_gradients_are_stacked_not_summed_selects():
     """The banks' per-layer weights are taken by split/unbind once per forward, so each bank's
     gradient is one cat/stack in the backward graph.  Indexing them per layer (bank[i, 0],
     bank[j*H:(j+1)*H]) made it a sum of zero-padded select/slice_backwards, which Inductor
-    compiled to kernels loading every layer's gradient for every element (seventh device session:
-    4.3 ms per stage-3 step for the MLP bank alone).  The value embeddings and the q/k/v split of
+    compiled to kernels loading every layer's gradient for every element (many times the bank's
+    bytes).  The value embeddings and the q/k/v split of
     the projection output are checked the same way."""
     from types import SimpleNamespace
 

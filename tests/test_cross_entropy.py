@@ -454,31 +454,26 @@ def test_kernel_persistent_grid_equals_one_program_per_block(max_programs):
 
 
 @needs_interpreter
-def test_ce_sigmoid_switch_reaches_the_head(monkeypatch):
-    """train.ce_sigmoid: configure_kernel_launch sets the module's SIGMOID (checked), and the head's
-    kernel launch then uses it."""
-    from speedrun.config import preset
+def test_ce_sigmoid_option_reaches_the_head(monkeypatch):
+    """train.ce_sigmoid travels in the run's KernelOptions (checked) to the installed head, whose
+    kernel launch then uses it; a head without options uses the exact sigmoid."""
     from speedrun.errors import ConfigError
-    from speedrun.train.loop import configure_kernel_launch
+    from speedrun.kernels.options import KernelOptions
+    from speedrun.model.kernel_hooks import FusedHead, set_kernel_options
 
-    monkeypatch.setattr(ce, "SIGMOID", "exact")
     seen = []
     real = ce.softcapped_ce_fwd_bwd
-    monkeypatch.setattr(ce, "softcapped_ce_fwd_bwd",
-                        lambda *a, **k: seen.append(k.get("sigmoid") or ce.SIGMOID) or real(*a, **k))
-    cfg = preset("tiny")
-    cfg.train.ce_sigmoid = "tanh"
-    configure_kernel_launch(cfg)
-    assert ce.SIGMOID == "tanh"
-    args = make_head(seed=5)
-    run_head(fused_softcapped_ce, *args, use_fp8=True)
-    assert seen == ["tanh"]
-    cfg.train.ce_sigmoid = "fast"
+    monkeypatch.setattr(ce, "softcapped_ce_fwd_bwd", lambda *a, **k: seen.append(k["sigmoid"]) or real(*a, **k))
+    x, w, targets, prefix, _ = make_head(seed=5)
+    head = FusedHead(use_fp8=True)
+    head(x, w, targets, [1.0, 0.5], prefix, 0.25, softcap=DEFAULT_SOFTCAP)
+    set_kernel_options([head, None], KernelOptions(ce_sigmoid="tanh"))
+    head(x, w, targets, [1.0, 0.5], prefix, 0.25, softcap=DEFAULT_SOFTCAP)
+    assert seen == ["exact", "tanh"]
     with pytest.raises(ConfigError, match="train.ce_sigmoid must be one of exact, tanh"):
-        configure_kernel_launch(cfg)
-    cfg.train.ce_sigmoid = "exact"
-    configure_kernel_launch(cfg)
-    assert ce.SIGMOID == "exact"
+        KernelOptions(ce_sigmoid="fast")
+    with pytest.raises(ValueError, match="sigmoid must be one of"):
+        fused_softcapped_ce(x, w, targets, sigmoid="fast")
 
 
 @needs_interpreter
@@ -557,28 +552,21 @@ def test_transposed_gradient_output_is_checked():
 def test_dual_gradient_layout_gives_the_heads_gradients_bit_for_bit(monkeypatch):
     """train.ce_grad_layout=dual: the FP8 head takes dW's operand from the kernel's second layout
     (no transpose pass) and returns the same loss and gradients as the transpose route."""
-    from speedrun.config import preset
     from speedrun.errors import ConfigError
-    from speedrun.train.loop import configure_kernel_launch
+    from speedrun.kernels.options import KernelOptions
 
     calls = []
     real = ce.transpose_fp8
     monkeypatch.setattr(ce, "transpose_fp8", lambda t: calls.append(t.shape) or real(t))
     args = make_head(seed=7)
-    monkeypatch.setattr(ce, "GRAD_LAYOUT", "transpose")
     base = run_head(fused_softcapped_ce, *args, use_fp8=True)
     assert len(calls) == 1
-    cfg = preset("tiny")
-    cfg.train.ce_grad_layout = "dual"
-    configure_kernel_launch(cfg)
-    assert ce.GRAD_LAYOUT == "dual"
-    dual = run_head(fused_softcapped_ce, *args, use_fp8=True)
+    dual = run_head(fused_softcapped_ce, *args, use_fp8=True, grad_layout=KernelOptions(ce_grad_layout="dual").ce_grad_layout)
     assert len(calls) == 1  # no transpose pass this time
     for a, b in zip(base, dual):
         assert torch.equal(a, b)
-    cfg.train.ce_grad_layout = "both"
     with pytest.raises(ConfigError, match="train.ce_grad_layout must be one of transpose, dual"):
-        configure_kernel_launch(cfg)
+        KernelOptions(ce_grad_layout="both")
 
 
 _SM90_COMPILE = r"""

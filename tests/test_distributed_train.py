@@ -9,10 +9,12 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import speedrun
 from speedrun.evidence.equivalence import compare_runs, render
 from speedrun.train.checkpoint import list_checkpoints
 
@@ -23,7 +25,9 @@ COMMON = ["train", "--preset", "tiny-record", "--steps", "5", "--quiet",
 
 
 def _run(args, tmp_path, env_extra, nproc=1):
-    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
+    # the subprocesses run the speedrun under test, not whatever an editable install points at
+    tree = str(Path(speedrun.__file__).resolve().parent.parent)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=tree, **env_extra)
     if nproc == 1:
         cmd = [sys.executable, "-m", "speedrun", *args]
     else:

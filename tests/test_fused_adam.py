@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speedrun.kernels.fused_adam import adam_update_auto_, adam_update_fused_, fused_adam_supported
+from speedrun.kernels.fused_adam import adam_update_fused_, fused_adam_supported
 from speedrun.kernels.fp8_cache import interpreting
-from speedrun.optim.adam import adam_update_, new_adam_state
+from speedrun.optim.adam import adam_update_, adam_update_auto_, new_adam_state
 
 pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 (set by conftest without a GPU)")

@@ -16,7 +16,7 @@ from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import native_specialize_impl
 
 from speedrun.config import ConfigError
-from speedrun.kernels import launch as L
+from speedrun.kernels import _triton as L
 
 
 class FakeCompiled:
@@ -176,15 +176,15 @@ def test_interpreter_and_cpu_use_the_plain_launch():
 
 def test_config_switch():
     from speedrun.config import preset
-    from speedrun.train.loop import configure_kernel_launch
+    from speedrun.train.builder import kernel_options
 
     cfg = preset("tiny")
     cfg.train.triton_launch = "plain"
-    configure_kernel_launch(cfg)
+    assert kernel_options(cfg).triton_launch == "plain"
     assert not L.enabled()
     cfg.train.triton_launch = "cached"
-    configure_kernel_launch(cfg)
+    kernel_options(cfg)
     assert L.enabled()
     cfg.train.triton_launch = "fast"
     with pytest.raises(ConfigError, match="train.triton_launch must be one of cached, plain"):
-        configure_kernel_launch(cfg)
+        kernel_options(cfg)

@@ -1,4 +1,4 @@
-"""benchmarks/launch_inventory.py on the CPU (Triton interpreter), at toy size: it finds every
+"""tools/launch_inventory.py on the CPU (Triton interpreter), at toy size: it finds every
 opaque call of the candidate's switches, counts the fused QK-prep as one launch and no eager op
 per call, counts the FP8 GEMM as one launch, and restores everything it patched."""
 
@@ -12,7 +12,7 @@ import torch
 
 from speedrun.kernels.fp8_cache import interpreting
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "launch_inventory.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "launch_inventory.py"
 
 
 @pytest.fixture(scope="module")

@@ -218,12 +218,12 @@ def test_gemm_rejects_bad_shapes_and_dtypes():
 # relu2_mlp
 
 
-def _run(mode, x, w1, w2, gy, cache=None, calls=2, input_scaling="current"):
+def _run(mode, x, w1, w2, gy, cache=None, calls=2, input_scaling="current", gemm=None):
     state = MLPScaleState.create(DEV, input_scaling=input_scaling)
     xk, w1k, w2k = (t.clone().requires_grad_() for t in (x, w1, w2))
     for _ in range(calls):  # later calls use the delayed scales measured by the earlier ones
         xk.grad = w1k.grad = w2k.grad = None
-        y = relu2_mlp(xk, w1k, w2k, mode=mode, cache=cache, scales=state)
+        y = relu2_mlp(xk, w1k, w2k, mode=mode, cache=cache, scales=state, gemm=gemm)
         y.backward(gy)
         end_fp8_step([state])  # as the training step does after the optimizer update
     return y.detach(), xk.grad, w1k.grad, w2k.grad, state
@@ -242,11 +242,10 @@ def _reference(x, w1, w2, gy):
 def test_mlp_forward_backward_vs_reference(mode, bound_y, bound_g, impl, monkeypatch):
     from speedrun.kernels import mlp
 
-    if impl != "per-case":  # per-case: the module default per direction and dtype
-        monkeypatch.setattr(mlp, "GEMM_IMPL", impl)
+    gemm = None if impl == "per-case" else impl  # per-case: the default per direction and dtype
     x, w1, w2, gy = inputs(5)
     ref = _reference(x, w1, w2, gy)
-    y, dx, dw1, dw2, state = _run(mode, x, w1, w2, gy)
+    y, dx, dw1, dw2, state = _run(mode, x, w1, w2, gy, gemm=gemm)
     assert rel(y, ref[0]) < bound_y
     for got, want in zip((dx, dw1, dw2), ref[1:]):
         assert got.dtype == torch.bfloat16
@@ -323,38 +322,36 @@ def test_mlp_reference_matches_autograd_definition():
     assert y.dtype == torch.bfloat16 and rel(y, want) < 1e-2
 
 
-def test_default_gemm_impl_per_direction_and_dtype(monkeypatch):
+def test_default_gemm_impl_per_direction_and_dtype():
     from speedrun.kernels import mlp
 
-    monkeypatch.setattr(mlp, "GEMM_IMPL", {("up", True): "fused", ("up", False): "fused",
-                                           ("dpre", True): "split", ("dpre", False): "fused"})
-    assert mlp.default_gemm_impl(forward=False, fp8=True) == "split"
-    assert mlp.default_gemm_impl(forward=True, fp8=True) == "fused"
-    monkeypatch.setattr(mlp, "GEMM_IMPL", "split")
-    assert mlp.default_gemm_impl(forward=True, fp8=False) == "split"
+    table = {("up", True): "fused", ("up", False): "fused", ("dpre", True): "split", ("dpre", False): "fused"}
+    assert mlp.default_gemm_impl(forward=False, fp8=True, routes=table) == "split"
+    assert mlp.default_gemm_impl(forward=True, fp8=True, routes=table) == "fused"
+    assert mlp.default_gemm_impl(forward=True, fp8=False, routes="split") == "split"
+    assert mlp.default_gemm_impl(forward=False, fp8=True) == mlp.DEFAULT_GEMM_IMPL[("dpre", True)]
 
 
-def test_train_mlp_gemm_sets_the_route_per_arm(monkeypatch):
-    """train.mlp_gemm: one route for every relu2_gemm call, or "auto" back to the per-case
-    default (bench arms in one process re-apply it before each step); bad names refused."""
-    from speedrun.config import preset
+def test_train_mlp_gemm_travels_in_the_kernel_options(monkeypatch):
+    """train.mlp_gemm: one route for every relu2_gemm call of the installed MLP, or "auto" (None:
+    the per-case default); bad names refused.  Each model carries its own, so bench arms in one
+    process need nothing re-applied."""
     from speedrun.errors import ConfigError
-    from speedrun.kernels import mlp
-    from speedrun.train.loop import configure_kernel_launch
+    from speedrun.kernels import mlp as mlp_module
+    from speedrun.kernels.options import KernelOptions
+    from speedrun.model.kernel_hooks import FusedMLP, set_kernel_options
 
-    monkeypatch.setattr(mlp, "GEMM_IMPL", mlp.DEFAULT_GEMM_IMPL)
-    cfg = preset("tiny")
-    cfg.train.mlp_gemm = "fused"
-    configure_kernel_launch(cfg)
-    assert mlp.default_gemm_impl(forward=True, fp8=True) == mlp.default_gemm_impl(forward=False, fp8=True) == "fused"
-    cfg.train.mlp_gemm = "auto"
-    configure_kernel_launch(cfg)
-    assert mlp.GEMM_IMPL is mlp.DEFAULT_GEMM_IMPL
-    assert mlp.default_gemm_impl(forward=False, fp8=True) == "tma"
-    assert mlp.default_gemm_impl(forward=True, fp8=True) == "tma"
-    cfg.train.mlp_gemm = "cublas"
+    assert KernelOptions(mlp_gemm="fused").mlp_gemm_route == "fused"
+    assert KernelOptions().mlp_gemm_route is None
     with pytest.raises(ConfigError, match="train.mlp_gemm must be one of auto, fused, tma, split"):
-        configure_kernel_launch(cfg)
+        KernelOptions(mlp_gemm="cublas")
+    seen = []
+    monkeypatch.setattr(mlp_module, "relu2_mlp_forward", lambda ctx, *a, **k: seen.append(k["gemm"]) or [None])
+    a, b = FusedMLP("bf16"), FusedMLP("bf16")
+    set_kernel_options([None, a], KernelOptions(mlp_gemm="split"))
+    for m in (a, b):
+        m._forward(None, [torch.zeros(1), torch.zeros(1), torch.zeros(1)], -1, None)
+    assert seen == ["split", None]
 
 
 @needs_kernel

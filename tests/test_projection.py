@@ -80,7 +80,7 @@ def test_projection_refuses_incomplete_benches(tmp_path, capsys):
 def test_configs_saved_by_older_versions_still_load():
     base, _ = _arms()
     d = base.to_dict()
-    d["model"]["dc_keys"] = "band"  # a switch removed in the eighteenth session
+    d["model"]["dc_keys"] = "band"  # a switch that no longer exists
     doc = _bench(0, {"base": (base, [1.0] * 20)})
     doc["arms"][0]["config"] = d
     with pytest.warns(RuntimeWarning, match="dc_keys"):

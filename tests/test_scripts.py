@@ -1,4 +1,4 @@
-"""The device scripts in benchmarks/ at least parse (they only run on the GPU machines)."""
+"""The device scripts in tools/ at least parse (they only run on the GPU machines)."""
 
 import shutil
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.sh"))
+SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "tools").glob("*.sh"))
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
@@ -95,7 +95,7 @@ def test_inductor_sources_extracts_the_slowest_kernels(tmp_path):
     import json
 
     spec = importlib.util.spec_from_file_location(
-        "inductor_sources", Path(__file__).resolve().parents[1] / "benchmarks" / "inductor_sources.py")
+        "inductor_sources", Path(__file__).resolve().parents[1] / "tools" / "inductor_sources.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     cache = tmp_path / "cache" / "ab"
@@ -209,7 +209,7 @@ def test_device_run_short_run_passes_short_set_overrides(tmp_path):
 def test_gpu_clocks_summarizes_each_phase_from_busy_samples(tmp_path, capsys, monkeypatch):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("gpu_clocks", Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_clocks.py")
+    spec = importlib.util.spec_from_file_location("gpu_clocks", Path(__file__).resolve().parents[1] / "tools" / "gpu_clocks.py")
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_clocks", mod)  # dataclasses look their module up there
     spec.loader.exec_module(mod)

@@ -1,4 +1,4 @@
-"""CPU tests of the upstream-benchmark tooling in benchmarks/: patcher, FA3 shim, step-time parser.
+"""CPU tests of the upstream-benchmark tooling in tools/: patcher, FA3 shim, step-time parser.
 
 The real upstream files are never stored here; set SPEEDRUN_UPSTREAM_SRC to a folder holding
 modded-nanogpt's train_gpt.py, triton_kernels.py and dc_triton_kernels.py at f411b3d (or their
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[1] / "tools"
 
 
 def _load(name: str):
@@ -330,7 +330,7 @@ def test_compare_kernels_per_step_and_by_family(tmp_path, capsys):
                                     {"kernel": "triton_poi_fused_add_0", "calls": 2, "time_us": 200.0}]}
     theirs = {"steps": 1, "kernels": [
         {"kernel": "nvjet_sm90_tst_256x128", "calls": 2, "time_us": 1500.0},
-        # real names (sixth device session): flash kernels name cutlass types, upstream's own Triton
+        # real names from a profile of upstream: flash kernels name cutlass types, upstream's own Triton
         # kernels have no leading underscore
         {"kernel": "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, "
                    "cutlass::bfloat16_t>>", "calls": 1, "time_us": 700.0},
@@ -401,7 +401,7 @@ def test_compare_kernels_same_name_means_as_often_too(tmp_path):
 
 def test_stage_marks_patch_writes_the_phases_gpu_clocks_reads(tmp_path, monkeypatch):
     """Rank 0 marks each stage start, the extension and the final validation with wall-clock
-    seconds, in the 'NAME EPOCH' lines benchmarks/gpu_clocks.py splits a clock log by."""
+    seconds, in the 'NAME EPOCH' lines tools/gpu_clocks.py splits a clock log by."""
     import time
 
     opts = up.BenchOptions(scheduled=6, extension=2)

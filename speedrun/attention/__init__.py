@@ -39,8 +39,8 @@ from speedrun.errors import ConfigError
 
 AttentionFn = Callable[..., torch.Tensor]
 
-# Preference order for "auto" on CUDA, fastest first (benchmarks/bench_attention.py times them all;
-# docs/perf-notes.md and docs/results/ hold the measurements).
+# Preference order for "auto" on CUDA, fastest first at the record's stage-3 shapes
+# (benchmarks/bench_attention.py times them).
 _CUDA_PREFERENCE = ("cudnn", "fa3", "varlen", "flex", "reference")
 BACKENDS = ("reference", "flex", "varlen", "fa3", "cudnn")
 

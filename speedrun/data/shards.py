@@ -119,7 +119,7 @@ def read_shard(path: str | os.PathLike, vocab_size: int | None = None) -> np.nda
     """Return the tokens of a validated shard as a read-only uint16 memmap of shape (N,).
 
     With ``vocab_size`` every token id is also checked to be ``< vocab_size`` (one pass over the
-    data, ~30 ms per 100M tokens).
+    data).
     """
     path = Path(path)
     count = read_header(path)

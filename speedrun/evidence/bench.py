@@ -5,7 +5,7 @@ optimizer and loader, built once with the same pieces :func:`speedrun.train.loop
 Every arm is warmed up first (compilation and autotuning happen there, untimed); then the arms
 are timed interleaved, the order rotating each round (``A B C``, ``B C A``, ``C A B``, ...), so
 slow drifts of the node (clocks, temperature) hit every arm alike and no arm always follows the
-same one (the fifteenth device session saw a fixed order confound a 2% difference).  A step is
+same one (a fixed order has confounded a difference of a few percent).  A step is
 timed from an idle device: synchronize, record a CUDA event, run
 :func:`~speedrun.train.loop.run_step` (all ``grad_accum`` micro-batches, the gradient
 all-reduce and the optimizer update of the run's recipe), record a second event, synchronize.  On the CPU the step is
@@ -44,20 +44,12 @@ from speedrun.evidence.arms import ArmSpec
 from speedrun.train.collector import CollectionMeter, CollectionStats, freeze_long_lived, thaw
 
 MIN_STEPS = 20  # the CLI's floor; fewer steps make the median and the bootstrap too coarse
+# train fields that act on the whole process (the heap freeze, the Triton launch path): one value for all arms
+PROCESS_WIDE = ("gc_freeze", "triton_launch")
 
 
 # ----------------------------------------------------------------------------------------------
 # A training session: the pieces of train() for one arm, at one stage's shapes
-
-
-def resolve_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype:
-    """The autocast dtype train() uses: ``train.dtype`` (bf16/fp32), or bf16 on CUDA / fp32 on CPU."""
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.train.dtype)
-    if dtype is None:
-        if cfg.train.dtype != "auto":
-            raise ConfigError(f"train.dtype must be bf16, fp32 or auto, got {cfg.train.dtype!r}")
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return dtype
 
 
 @dataclass
@@ -91,9 +83,8 @@ class Session:
     def step(self, on_phase=None) -> torch.Tensor:
         """One optimizer step (see :func:`speedrun.train.loop.run_step`, which calls ``on_phase``);
         returns the loss as a device scalar."""
-        from speedrun.train.loop import configure_kernel_launch, run_step
+        from speedrun.train.loop import run_step
 
-        configure_kernel_launch(self.cfg)  # process-wide; arms interleave in one process
         span = max(1, self.stage_end - self.stage.start_step)
         step = self.stage.start_step + self.count % span
         loss = run_step(self.run_model, self.recipe, self.loader, step, self.cfg, self.info, self.dtype,
@@ -106,53 +97,33 @@ class Session:
 
 
 def build_session(name: str, cfg: RunConfig, stage_index: int, info, simulate_world: int | None = None) -> Session:
-    """Build ``cfg``'s model, recipe and a loader at ``stages_of(cfg)[stage_index]``'s shapes,
-    the way :func:`speedrun.train.loop.train` builds them.
+    """``cfg``'s run (:func:`speedrun.train.builder.build_run`, as :func:`speedrun.train.loop.train`
+    builds it) with the schedule at ``stages_of(cfg)[stage_index]``'s first step and a loader at
+    that stage's shapes.
 
     ``simulate_world`` N: build rank 0 of an N-rank run in this one process instead
     (:func:`speedrun.distributed.simulated_rank`): its micro-batches, its loader slice and its 1/N
     of the optimizer, collectives replaced by no-ops (:mod:`speedrun.optim.simcomms`)."""
-    from speedrun.data import TrainLoader
-    from speedrun.model import build_model
+    from speedrun.train.builder import build_run, grad_accum_steps
     from speedrun.train.graphs import StepGraphs, graphs_enabled
-    from speedrun.train.loop import (compile_model, configure_kernel_launch, grad_accum_steps, micro_batching,
-                                     resolve_data)
-    from speedrun.train.recipes import build_recipe
 
-    cfg.model.validate()
-    configure_kernel_launch(cfg)  # refuses a bad train.triton_launch before the build; re-applied per step
     if simulate_world is not None:
         info = distributed.simulated_rank(info, simulate_world)
         grad_accum_steps(cfg, info.world_size)  # refuses a world the split cannot use before building
-    device = info.device
-    dtype = resolve_dtype(cfg, device)
-    train_files, _, tokenizer = resolve_data(cfg)
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model).to(device)
-    if dtype == torch.bfloat16 and hasattr(model, "cast_to_record_dtypes"):
-        model.cast_to_record_dtypes(torch.bfloat16)
-    recipe = build_recipe(cfg, model, info, tokenizer)
-    stages = recipe.stages
+    run = build_run(cfg, info)
+    stages = run.stages
     if not 0 <= stage_index < len(stages):
         raise ConfigError(f"arm {name!r}: --stage {stage_index} is out of range; the config has "
                           f"{len(stages)} stage(s) (0..{len(stages) - 1})")
     stage = stages[stage_index]
-    stage_end = stages[stage_index + 1].start_step if stage_index + 1 < len(stages) else cfg.train.steps
-    plan = micro_batching(stage, cfg, info.world_size)
-    if hasattr(model, "warm_tables"):  # RoPE tables must exist before compiling
-        recipe.max_tokens = plan.tokens
-        model.warm_tables(plan.tokens, device)
-    recipe.sync_to(stage.start_step)
-    recipe.on_clock_start()
-    run_model = compile_model(model, cfg)
-    loader = TrainLoader(train_files, plan.chunk, stage.max_seq_len, rank=info.rank, world_size=info.world_size,
-                         bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size,
-                         max_docs=cfg.train.max_docs or None, device=device,
-                         bigram_mod=getattr(model, "bigram_mod", None), merge=plan.merge)
+    run.recipe.sync_to(stage.start_step)
+    run.recipe.on_clock_start()
+    loader = run.make_loader(stage_index)
     graphs = None
-    if graphs_enabled(cfg.train.cuda_graphs, device):
-        graphs = StepGraphs(run_model, recipe, device, dtype, check=cfg.train.cuda_graph_check)
-    return Session(name, cfg, stage, stage_end, model, run_model, recipe, loader, info, dtype, graphs=graphs)
+    if graphs_enabled(cfg.train.cuda_graphs, info.device):
+        graphs = StepGraphs(run.run_model, run.recipe, info.device, run.dtype, check=cfg.train.cuda_graph_check)
+    return Session(name, cfg, stage, run.stage_end(stage_index), run.model, run.run_model, run.recipe, loader,
+                   info, run.dtype, graphs=graphs)
 
 
 class MemoryMeter:
@@ -336,10 +307,11 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
     devices = {cfg.train.device for _, cfg, _ in configs}
     if len(devices) > 1:
         raise ConfigError(f"all arms must use one train.device, got {sorted(devices)}")
-    freezes = {cfg.train.gc_freeze for _, cfg, _ in configs}
-    if len(freezes) > 1:
-        raise ConfigError("train.gc_freeze is process-wide: every arm of one bench must use the same value, got "
-                          + ", ".join(f"{n}={cfg.train.gc_freeze}" for n, cfg, _ in configs))
+    for field in PROCESS_WIDE:
+        values = {getattr(cfg.train, field) for _, cfg, _ in configs}
+        if len(values) > 1:
+            raise ConfigError(f"train.{field} is process-wide: every arm of one bench must use the same value, got "
+                              + ", ".join(f"{n}={getattr(cfg.train, field)}" for n, cfg, _ in configs))
     from speedrun.train.graphs import STEPS_UNTIL_REPLAY
 
     info = distributed.setup(configs[0][1].train.device)

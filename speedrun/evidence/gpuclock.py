@@ -1,7 +1,7 @@
 """SM clock, power and temperature sampled while each benchmark arm runs.
 
 An H200 running the record's stage-3 step draws its 700 W limit and lowers its SM clock to stay
-there (eighteenth device session: a median 1785 MHz at 689 W, against 1980 MHz idle).  Two arms
+there, well below its idle clock.  Two arms
 that move different numbers of bytes or use FP8 instead of bf16 can then run the *same* kernels
 at different clocks, and a time ratio mixes work saved with energy saved.  :class:`ClockSampler`
 polls NVML from a background thread (``torch.cuda.clock_rate`` / ``power_draw`` /

@@ -1,9 +1,8 @@
 """A whole run's training time projected from per-stage step benchmarks.
 
-A staged recipe spends different times per step in each stage (the record on one H200: ~300 /
-~570 / ~650 ms at stages 1-3), so a per-step ratio at one stage does not say which arm trains
-faster overall: the seventh device session's candidate was 8% faster per stage-3 step and 31%
-slower per stage-1 step.  :func:`project` takes ``speedrun bench step --json`` files, one per
+A staged recipe spends different times per step in each stage, so a per-step ratio at one stage
+does not say which arm trains faster overall: an arm can be faster per stage-3 step and slower per
+stage-1 step.  :func:`project` takes ``speedrun bench step --json`` files, one per
 stage (the same arms in each), and sums for every arm
 
     projected seconds = sum over stages s of  steps_s x median step time_s

@@ -32,7 +32,7 @@ What is here:
 * :func:`softcapped_ce_fwd_bwd` (Triton) and :func:`softcapped_ce_fwd_bwd_reference` (PyTorch): one
   kernel over a logits matrix giving the per-token loss and ``dlogits = d(sum_t loss_t)/dlogits``
   times ``grad_out_scale``, written as bf16/fp32 or directly as FP8 e5m2.  It reads each row
-  twice (statistics, then gradients): Nsight Compute measured 2.0x the logits' bytes read.
+  twice (statistics, then gradients): Nsight Compute measured twice the logits' bytes read.
 * :func:`fused_softcapped_ce` (autograd Function :class:`FusedSoftcappedCE`) and its reference
   :func:`fused_softcapped_ce_reference`: the whole head from ``x`` and ``W``.  Forward runs the GEMM
   and the CE kernel, which also writes ``dlogits``; backward is two GEMMs.
@@ -45,7 +45,7 @@ e4m3 x e5m2.  Unlike the record, backward honours ``grad_output`` (a per-row fac
 ``dX`` rows and folded into the dW operand ``x`` at O(N*D) cost) instead of baking
 ``grad_scale`` in at forward time; the e5m2 bytes are the same as the record's because its
 ``grad_scale`` cancels between ``dlogits`` and ``grad_s = grad_scale * 0.75/448``.  cuBLAS wants
-the dW GEMM's e5m2 operand K-major, i.e. ``dlogits`` transposed: ``GRAD_LAYOUT="transpose"``
+the dW GEMM's e5m2 operand K-major, i.e. ``dlogits`` transposed: ``grad_layout="transpose"``
 transposes it in the backward (as the record does), ``"dual"`` has the CE kernel store both
 layouts (``dlogits_t_out``), saving that pass's read.
 
@@ -54,11 +54,10 @@ softmax excludes padded columns (the record normalises over all 50304); the soft
 weight sums only the terms that are active for the row (the record adds every MTP weight even where
 the batch end masks the term); ``sigmoid`` is kept in fp32 rather than staged as bf16.  All three
 make the kernel equal to the autograd gradient of the reference loss.  What limits the kernel is
-the GPU's special-function unit (ex2, rcp, tanh: 16 per clock per SM on Hopper), not memory: on
-the H200 a stage-3 call (49,152 x 50,304) takes ~4.5 ms against 3.5 ms for its six SFU
-instructions per logit.  ``sigmoid="tanh"`` (``train.ce_sigmoid``) evaluates the sigmoid as
-``0.5 + 0.5 tanh(x / 2)`` with ``tanh.approx.f32`` as the record does (four per logit: ~3.7 ms
-against a 2.4 ms floor); the capped logits then move by up to ``A * 2**-12``, about 0.006, where
+the GPU's special-function unit (ex2, rcp, tanh: 16 per clock per SM on Hopper), not memory: a
+stage-3 call runs near the time of its six SFU instructions per logit (docs/kernels/cross_entropy.md).
+``sigmoid="tanh"`` (``train.ce_sigmoid``) evaluates the sigmoid as ``0.5 + 0.5 tanh(x / 2)``
+with ``tanh.approx.f32`` as the record does (four per logit); the capped logits then move by up to ``A * 2**-12``, about 0.006, where
 the record's bf16 staging moves them by up to ``A * 2**-9``.
 """
 
@@ -72,19 +71,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from speedrun.config import CE_SIGMOID_CHOICES
+from speedrun.config import CE_GRAD_LAYOUT_CHOICES, CE_SIGMOID_CHOICES
 from speedrun.errors import DataError
-from speedrun.kernels.fp8_cache import (
-    _fp8_bits,
-    cdiv,
-    grid_constants,
-    interpreting,
-    next_pow2,
-    quantize_rows_scaled_t,
-    quantize_static,
-)
+from speedrun.kernels._triton import cdiv, interpreting, launch, next_pow2
+from speedrun.kernels.fp8_cache import _fp8_bits, grid_constants, quantize_rows_scaled_t, quantize_static
 from speedrun.kernels.fp8_ops import cuda_capability, quantize_tensorwise, scaled_mm, to_scale_tensor
-from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
 
 __all__ = [
@@ -109,16 +100,15 @@ DEFAULT_SOFTCAP = (23.0, 5.0, 7.5)
 X_SCALE = 100.0 / 448.0  # real value of one e4m3 unit of x (record: lm_head x_s)
 W_SCALE = 1.6 / 448.0  # real value of one e4m3 unit of W (record: lm_head w_s)
 GRAD_UNIT_SCALE = 0.75 / 448.0  # real value of one e5m2 unit of dlogits (record grad_s / grad_scale)
-# How the CE kernel evaluates the softcap's sigmoid: "exact" (exp2 and a reciprocal: two
-# special-function instructions per logit and pass) or "tanh" (0.5 + 0.5 tanh(x/2) with the GPU's
-# tanh.approx.f32: one, max relative error ~2**-11, as upstream's CUDA kernel does); the validation
-# loss is always exact.  train.ce_sigmoid sets it per run.
-SIGMOID = "exact"
+# How the CE kernel evaluates the softcap's sigmoid (``sigmoid``, from train.ce_sigmoid): "exact"
+# (exp2 and a reciprocal: two special-function instructions per logit and pass) or "tanh"
+# (0.5 + 0.5 tanh(x/2) with the GPU's tanh.approx.f32: one, max relative error ~2**-11, as
+# upstream's CUDA kernel does); the validation loss is always exact.
 SIGMOID_CHOICES = CE_SIGMOID_CHOICES
-# Layouts of the FP8 head's e5m2 logit gradient: "transpose" (the CE kernel writes it row-major
-# for dx; the backward transposes it for dW, a read and a write of N x V_pad bytes, as upstream)
-# or "dual" (the CE kernel writes both layouts; no transpose pass).  train.ce_grad_layout sets it.
-GRAD_LAYOUT = "transpose"
+# Layouts of the FP8 head's e5m2 logit gradient (``grad_layout``, from train.ce_grad_layout):
+# "transpose" (the CE kernel writes it row-major for dx; the backward transposes it for dW, a read
+# and a write of N x V_pad bytes, as upstream) or "dual" (the CE kernel writes both layouts).
+GRAD_LAYOUT_CHOICES = CE_GRAD_LAYOUT_CHOICES
 _LOG2E = 1.4426950408889634
 
 # The Triton 3.6 interpreter's fp32 -> e5m2 cast gets the exponent wrong when rounding carries into
@@ -496,7 +486,7 @@ def _ce_fwd_bwd_kernel(
     # few target columns.  STORE_T: every store also goes to dlogits_t (V_pad, N), the layout the
     # weight-gradient GEMM reads, so no transpose pass follows.  At the record's vocab a row is
     # 100 KB: with one program per row block thousands of rows are in flight, pass 2 misses L2, and
-    # Nsight Compute measured 2.0x the logits' bytes read (seventh device session);
+    # Nsight Compute measured twice the logits' bytes read;
     # ``max_programs`` bounds the rows in flight.
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
@@ -686,7 +676,7 @@ def _check_scale_rows(x: torch.Tensor, row_scale: torch.Tensor, name: str) -> No
 def scale_rows_(x: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
     """``x[i, :] *= row_scale[i]`` in place, the product in fp32 rounded once to x's dtype: the
     per-token loss gradient applied to the head's dX (one read and one write of x; eager torch
-    took three passes and two fp32 temporaries, ~0.27 ms per record micro-batch).
+    took three passes and two fp32 temporaries).
 
     x: (N, D) contiguous bf16/fp16; row_scale: (N,) contiguous fp32.  Returns x.  Triton on CUDA
     or under the interpreter, else :func:`scale_rows_reference_` (same bits)."""
@@ -729,7 +719,7 @@ TRANSPOSED_BLOCK_V = 128
 
 def _default_block_v(n_cols: int) -> int:
     # H200, N=49152, V=50304, e5m2 out (benchmarks/bench_cross_entropy.py --sweep): 1024 columns
-    # x 4 warps and 512 x 2 warps ran 4.2 ms; 4096 x 8 warps 5.3 ms; 2 rows per program no better.
+    # x 4 warps and 512 x 2 warps tie for fastest; 4096 x 8 warps is slower; 2 rows per program no better.
     return min(1024, next_pow2(max(n_cols, 16)))
 
 
@@ -752,7 +742,7 @@ def softcapped_ce_fwd_bwd(
     block_m: int | None = None,
     num_warps: int = 4,
     max_programs: int | None = None,
-    sigmoid: str | None = None,
+    sigmoid: str = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss and its logits gradient in one Triton pass (forward and backward together).
 
@@ -772,10 +762,9 @@ def softcapped_ce_fwd_bwd(
     ``max_programs``: at most this many programs, each looping over row blocks (a persistent grid:
     fewer rows in flight, so the second pass over a row can hit L2); None = one program per block.
     ``sigmoid``: "exact" or "tanh" (the hardware's approximate tanh where :func:`hardware_tanh`
-    says so, else an exact tanh through the same identity); None: the module's ``SIGMOID``.
+    says so, else an exact tanh through the same identity).
     """
     vocab_size = _check_logits(logits, vocab_size)
-    sigmoid = SIGMOID if sigmoid is None else sigmoid
     if sigmoid not in SIGMOID_CHOICES:
         raise ValueError(f"sigmoid must be one of {SIGMOID_CHOICES}, got {sigmoid!r}")
     if logits.device.type != "cuda" and not interpreting():
@@ -1000,6 +989,8 @@ class FusedSoftcappedCE(torch.autograd.Function):
         grad_unit_scale,
         ce_backend,
         fp8_weight,
+        sigmoid,
+        grad_layout,
     ):
         ce = _ce_impl(ce_backend, x.device)
         if use_fp8:
@@ -1009,21 +1000,21 @@ class FusedSoftcappedCE(torch.autograd.Function):
             w_f8 = fp8_weight.data  # (D, V) row-major
             # FP8 tensor cores want B column-major: the cached transposed copy.
             logits = scaled_mm(x_f8, fp8_weight.data_cm, x_scale, w_scale, torch.bfloat16, use_fast_accum=True)
-            # GRAD_LAYOUT "dual": the CE kernel also writes the transposed gradient that the weight
+            # grad_layout "dual": the CE kernel also writes the transposed gradient that the weight
             # GEMM reads (else the backward transposes dlogits: one more read of it)
             dlogits_t = (torch.empty(logits.shape[::-1], dtype=torch.float8_e5m2, device=logits.device)
-                         if GRAD_LAYOUT == "dual" else None)
+                         if grad_layout == "dual" else None)
             losses, dlogits = ce(
                 logits, targets, mtp_weights, prefix_targets, prefix_weight, softcap=softcap,
                 vocab_size=vocab_size, grad_out_scale=1.0 / grad_unit_scale, grad_dtype=torch.float8_e5m2,
-                dlogits_t_out=dlogits_t,
+                dlogits_t_out=dlogits_t, sigmoid=sigmoid,
             )
             ctx.save_for_backward(x, w_f8, dlogits, dlogits_t)
         else:
             logits = x @ weight
             losses, dlogits = ce(
                 logits, targets, mtp_weights, prefix_targets, prefix_weight, softcap=softcap,
-                vocab_size=vocab_size, grad_out_scale=1.0, grad_dtype=x.dtype,
+                vocab_size=vocab_size, grad_out_scale=1.0, grad_dtype=x.dtype, sigmoid=sigmoid,
             )
             ctx.save_for_backward(x, weight, dlogits, None)
         del logits
@@ -1058,7 +1049,7 @@ class FusedSoftcappedCE(torch.autograd.Function):
                 dx = _scale_dx_rows(dlogits @ w_saved.t(), go)
             if ctx.needs_input_grad[1]:
                 dw = ((x.float() * go).to(x.dtype).t() @ dlogits).to(ctx.weight_dtype)
-        return dx, dw, None, None, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _scale_dx_rows(dx: torch.Tensor, go: torch.Tensor) -> torch.Tensor:
@@ -1084,6 +1075,8 @@ def fused_softcapped_ce(
     grad_unit_scale: float = GRAD_UNIT_SCALE,
     ce_backend: str = "auto",
     fp8_weight: HeadFP8Weight | None = None,
+    sigmoid: str = "exact",
+    grad_layout: str = "transpose",
 ) -> torch.Tensor:
     """Training loss head: per-token losses (N,) fp32 from hidden states ``x`` and head ``weight``.
 
@@ -1101,7 +1094,13 @@ def fused_softcapped_ce(
     ``TRITON_INTERPRET=1``, else the reference).  ``fp8_weight``: ``weight`` already quantised by
     :func:`quantize_head_weight` (with ``w_scale``) for this optimizer update, or None to quantise
     it in this call; the caller guarantees it represents ``weight`` (gradients still go to ``weight``).
+    ``sigmoid``: the CE kernel's softcap sigmoid (see :func:`softcapped_ce_fwd_bwd`);
+    ``grad_layout``: "transpose" or "dual" (the FP8 path's dW operand, see the module constants).
     """
+    if sigmoid not in SIGMOID_CHOICES:
+        raise ValueError(f"sigmoid must be one of {SIGMOID_CHOICES}, got {sigmoid!r}")
+    if grad_layout not in GRAD_LAYOUT_CHOICES:
+        raise ValueError(f"grad_layout must be one of {GRAD_LAYOUT_CHOICES}, got {grad_layout!r}")
     vocab_size = _check_head_inputs(x, weight, vocab_size)
     if fp8_weight is not None:
         if not use_fp8:
@@ -1119,7 +1118,7 @@ def fused_softcapped_ce(
     softcap = None if softcap is None else tuple(float(v) for v in softcap)
     return FusedSoftcappedCE.apply(
         x, weight, targets, mtp_weights, prefix_targets, prefix_weight, bool(use_fp8), vocab_size,
-        softcap, float(x_scale), float(w_scale), float(grad_unit_scale), ce_backend, fp8_weight,
+        softcap, float(x_scale), float(w_scale), float(grad_unit_scale), ce_backend, fp8_weight, sigmoid, grad_layout,
     )
 
 

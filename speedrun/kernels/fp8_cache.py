@@ -35,16 +35,14 @@ Weight scaling policy (documented here, used by the cache):
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from speedrun.kernels.launch import launch
+from speedrun.kernels._triton import cdiv, interpreting, launch, next_pow2, sm_count, triton_usable  # noqa: F401
 from speedrun.kernels.launch_notes import launch_note
 
 E4M3 = torch.float8_e4m3fn
@@ -56,31 +54,6 @@ _SCALAR_FP32 = torch.zeros((), dtype=torch.float32)  # stands in for a scale in 
 
 class StaleFP8CacheError(RuntimeError):
     """The FP8 weight cache was read after an optimizer update without :meth:`FP8WeightCache.refresh`."""
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter: ``TRITON_INTERPRET=1`` when
-    ``triton.jit`` decorated them, i.e. set before import (Triton decides then; this module reads
-    the decision off its own kernel at import, as the launchers ask per launch and an environment
-    read costs ~1.5 us)."""
-    return _INTERPRETED
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for host code.  ``triton.cdiv`` is a constexpr function whose call from Python
-    costs ~4 us; our launchers compute grids per launch."""
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1); ``triton.next_power_of_2`` for host code
-    without its ~4 us call cost."""
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def triton_usable(t: torch.Tensor) -> bool:
-    """Whether a Triton kernel can run on ``t``'s device here (CUDA, or CPU under the interpreter)."""
-    return t.is_cuda or (t.device.type == "cpu" and interpreting())
 
 
 # (mantissa bits, smallest normal exponent) of each storage format, for _round_to_grid.
@@ -431,21 +404,6 @@ def _abs_max_kernel(x_ptr, amax_ptr, n, step, BLOCK: tl.constexpr, ITERS: tl.con
 ABS_MAX_CONFIG = (4096, 8, 4)  # BLOCK elements per iteration, num_warps, programs per SM
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device, asked once per device (the kernel launchers
-    that size persistent grids by it run hundreds of times a step)."""
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-# Triton decided at decoration time whether its kernels run in the interpreter (see interpreting())
-_INTERPRETED = isinstance(_abs_max_kernel, InterpretedFunction)
-
-
 def _abs_max_triton_ok(x: torch.Tensor) -> bool:
     return triton_usable(x) and x.is_contiguous() and 0 < x.numel() < 2**31
 
@@ -573,7 +531,7 @@ def current_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     """Current scaling's ``max(amax, 1e-12) / fmax`` (fp32, elementwise), correctly rounded on every
     device, as the quantise kernel computes it (``div_rn``).  Not ``amax / fmax``: torch on CUDA
     divides by a Python scalar as a multiply by the scalar's rounded reciprocal, one ulp off for
-    some amaxes (amax 5.25: 0.011718750931 instead of 0.01171875, seventh device session), which
+    some amaxes (amax 5.25: 0.011718750931 instead of 0.01171875), which
     moves ~3% of the quantised bytes; a same-device tensor divisor takes the true division."""
     return amax.clamp_min(AMAX_FLOOR) / torch.full((), fmax, dtype=torch.float32, device=amax.device)
 

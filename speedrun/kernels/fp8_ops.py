@@ -38,7 +38,7 @@ def fp8_supported(device: torch.device | str | None) -> bool:
 
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) compute capability of a CUDA ``device``, asked once per device: the query
-    costs ~40 us of host time and the launchers ask on every call (hundreds per step).  Under
+    is slow on the host and the launchers ask on every call (hundreds per step).  Under
     ``torch.compile`` the query is asked directly: Dynamo folds it to a constant, while tracing
     into an ``lru_cache`` makes it warn that the cache is bypassed."""
     index = torch.cuda.current_device() if device.index is None else device.index

@@ -11,13 +11,13 @@ The arithmetic follows the reference operation by operation in fp32 (``lerp`` wi
 two-sided formula, correctly rounded ``sqrt`` and division).  The two ``addcmul``s (second moment,
 cautious decay) are torch's ``a + value * (b * c)``, which nvcc contracts into one FMA; a Triton
 compiler free to contract as it chooses came within 4 fp32 ulps, so the GPU build spells the
-roundings out with libdevice (``mul_rn``, ``fma_rn``).  Measured on the H200 (ninth session, 3
-steps at the record's table shapes): exp_avg, exp_avg_sq and p **bit-equal** to the eager
+roundings out with libdevice (``mul_rn``, ``fma_rn``).  On the H200 (3 steps at the record's
+table shapes, tests/gpu/test_fused_adam_gpu.py): exp_avg, exp_avg_sq and p **bit-equal** to the eager
 reference (with ``fma(value * b, c, a)`` instead, 14% of exp_avg_sq differed).  The interpreter has
 no libdevice: on the CPU the tests bound the moments at a few fp32 ulps and p at a few ulps of
 its dtype.
 
-Dispatch: :func:`adam_update_auto_` (what NorMuonAndAdam calls) takes this kernel for contiguous
+Dispatch: :func:`speedrun.optim.adam.adam_update_auto_` (what NorMuonAndAdam calls) takes this kernel for contiguous
 CUDA tensors and the reference otherwise; ``use_triton=True`` forces the kernel (on CPU tensors
 under ``TRITON_INTERPRET=1``, as the tests do).  Importing needs no GPU.
 """
@@ -29,7 +29,7 @@ import math
 import torch
 from torch import Tensor
 
-from speedrun.kernels.launch import launch
+from speedrun.kernels._triton import launch
 from speedrun.kernels.launch_notes import launch_note
 
 try:  # optional on CPU installs: the optimizer then runs the reference (fp8_cache needs Triton)
@@ -38,7 +38,7 @@ try:  # optional on CPU installs: the optimizer then runs the reference (fp8_cac
 
     from triton.language.extra import libdevice
 
-    from speedrun.kernels.fp8_cache import cdiv, interpreting
+    from speedrun.kernels._triton import cdiv, interpreting
 
     _HAVE_TRITON = True
 except ImportError:  # pragma: no cover - CPU installs without triton use the reference
@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton use the re
     tl = None
     _HAVE_TRITON = False
 
-__all__ = ["adam_update_fused_", "adam_update_auto_", "fused_adam_supported"]
+__all__ = ["adam_update_fused_", "fused_adam_supported"]
 
 _BLOCK = 1024  # elements per program: 8 fp32 loads of 4 per thread at 4 warps, enough in flight
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -136,16 +136,3 @@ def adam_update_fused_(
                 p, grad, m, v, n, 1.0 - beta1, beta2, 1.0 - beta2, eps, step_size,
                 lr * lr * weight_decay, BLOCK=_BLOCK, EXACT_ROUNDING=not interpreting(), num_warps=4)
     return p
-
-
-def adam_update_auto_(p: Tensor, grad: Tensor, state: dict, *, lr: float, betas: tuple[float, float],
-                      eps: float, weight_decay: float, use_triton: bool | None = None) -> Tensor:
-    """The Adam step through :func:`adam_update_fused_` or the reference.  ``use_triton`` None: the
-    kernel for CUDA tensors it supports (:func:`fused_adam_supported`), the reference otherwise
-    (as Polar Express decides); False: the reference; True: the kernel or a clear error (on CPU
-    tensors only under ``TRITON_INTERPRET=1``)."""
-    from speedrun.optim.adam import adam_update_
-
-    fused = (p.is_cuda and fused_adam_supported(p, grad)) if use_triton is None else use_triton
-    fn = adam_update_fused_ if fused else adam_update_
-    return fn(p, grad, state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 PREFIX = "speedrun.kernel"
 _NAME = re.compile(rf"^{re.escape(PREFIX)}:(?P<kind>[a-z0-9_]+):(?P<kernel>[A-Za-z0-9_]+):bytes=(?P<bytes>\d+):flops=(?P<flops>\d+)$")
 _NULL = contextlib.nullcontext()
-_PROFILER = None  # torch.autograd.profiler, bound on first use (a per-call import costs ~0.5 us)
+_PROFILER = None  # torch.autograd.profiler, bound on first use (a per-call import costs host time)
 
 
 def _load_profiler():

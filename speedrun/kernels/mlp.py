@@ -50,11 +50,11 @@ shapes) and, on sm90 with K-major contiguous operands, a persistent TMA-descript
 (``USE_TMA``); both share one epilogue.  ``impl="tma"`` (the default) adds
 a persistent kernel whose epilogue also goes through TMA (``post`` loaded, outputs stored by
 descriptor in half tiles, the transposed FP8 layout as transposed boxes; it runs in the
-interpreter too) wherever every tensor is TMA-ready.  A third route, ``impl="split"`` (the module
-default ``GEMM_IMPL`` can pick a route per direction and dtype; from H200 timings it is "tma" for
-all four now), runs the GEMM through cuBLAS into a bf16 temporary and the same epilogue as a
+interpreter too) wherever every tensor is TMA-ready.  A third route, ``impl="split"``, runs the GEMM through cuBLAS into a bf16 temporary and the same epilogue as a
 bandwidth-bound Triton pass: it trades two passes over an (M, N) bf16 tensor for cuBLAS's faster
-mainloop (benchmarks/bench_mlp.py times both, interleaved).  FP8 outputs are produced as bit patterns by integer
+mainloop (benchmarks/bench_mlp.py times the routes, interleaved).  The route is chosen per call
+(``impl``; the installed MLP passes ``train.mlp_gemm`` from :class:`speedrun.kernels.options.KernelOptions`)
+and :data:`DEFAULT_GEMM_IMPL` picks one per direction and dtype.  FP8 outputs are produced as bit patterns by integer
 arithmetic and stored through uint8 views: a kernel that stores an FP8 tile both row-major and
 transposed gets corrupted bytes from the cvt path on sm90 with Triton 3.6's ptxas
 (triton-lang/triton#11111, reproduced here).  Under the interpreter, whose bf16 dot and float
@@ -72,25 +72,21 @@ import torch
 import triton
 import triton.language as tl
 
+from speedrun.kernels._triton import cdiv, interpreting, launch, sm_count, triton_usable
 from speedrun.kernels.fp8_cache import (
     E4M3,
     E5M2,
     FP8_MAX,
-    cdiv,
     FP8Weight,
     _fp8_bits,
     _fp8_bits_hw,
     _round_to_grid,
     grid_constants,
     headroom_scale,
-    interpreting,
     InputScaling,
     quantize_current,
-    sm_count,
-    triton_usable,
 )
 from speedrun.kernels.fp8_ops import cuda_capability, scaled_mm  # torch._scaled_mm on sm89+, exact fp32 emulation elsewhere
-from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
 
 MODES = ("bf16", "fp8_fwd", "fp8_full")
@@ -437,8 +433,8 @@ TMA_CONFIGS = {
 # impl "tma" (:func:`_relu2_gemm_tma_store_kernel`, epilogue through TMA too), same keys.
 TMA_STORE_CONFIGS = {
     "bf16": (128, 256, 64, 8, 8, 3),
-    # the FP8 dpre (e5m2 both layouts): 256 x 128 tiles 0.465 ms against 0.489 for 128 x 256 and
-    # 0.487 for the split route (H200, T = 49,152, bench_mlp --sweep, 2026-12-04)
+    # the FP8 dpre (e5m2 both layouts): 256 x 128 tiles, the fastest of bench_mlp --sweep on the
+    # H200 at T = 49,152 (faster than 128 x 256 and than the split route)
     "fp8": (256, 128, 128, 8, 8, 3),
     "fp8_fwd": (128, 256, 128, 8, 8, 3),
 }
@@ -449,22 +445,21 @@ TMA_FLATTEN = True
 # cannot run, i.e. before sm90 or with strided or unaligned tensors, it runs as "fused") or "split" (the GEMM through cuBLAS with a 16-bit output, then the epilogue as a
 # bandwidth-bound Triton pass: 2 extra passes over an (M, N) bf16 tensor for cuBLAS's faster
 # mainloop).  Either one string for every call, or a choice per (direction, operand dtype).
-# H200, T = 49,152, 2026-12-03 (benchmarks/bench_mlp.py, 7 interleaved rounds, split/fused): FP8
-# up 1.22 (both layouts) and 1.10 (fp8_fwd), bf16 up 1.26, FP8 dpre 0.871 -> split for the FP8
-# dpre, until the TMA epilogue with 256 x 128 tiles beat it (0.465 vs 0.487 ms, 2026-12-04).
-# "tma" everywhere: upstream's epilogue design (docs/perf-notes.md, thirteenth and fourteenth sessions).
+# Default: "tma" in every direction and dtype (upstream's epilogue design), which beat the split
+# route in interleaved timings (benchmarks/bench_mlp.py) once the TMA epilogue used 256 x 128 tiles.
 DEFAULT_GEMM_IMPL: dict[tuple[str, bool], str] = {
     ("up", True): "tma", ("up", False): "tma", ("dpre", True): "tma", ("dpre", False): "tma",
 }
-GEMM_IMPL: str | dict[tuple[str, bool], str] = DEFAULT_GEMM_IMPL  # train.mlp_gemm sets it
 GEMM_IMPLS = ("fused", "tma", "split")
 
 
-def default_gemm_impl(forward: bool, fp8: bool) -> str:
-    """The :data:`GEMM_IMPL` choice for an up (forward) or dpre (backward) GEMM."""
-    if isinstance(GEMM_IMPL, str):
-        return GEMM_IMPL
-    return GEMM_IMPL[("up" if forward else "dpre", fp8)]
+def default_gemm_impl(forward: bool, fp8: bool, routes: str | dict[tuple[str, bool], str] | None = None) -> str:
+    """The route of an up (forward) or dpre (backward) GEMM: ``routes`` itself when a name, its
+    entry when a table like :data:`DEFAULT_GEMM_IMPL`, that table's entry when None."""
+    routes = DEFAULT_GEMM_IMPL if routes is None else routes
+    if isinstance(routes, str):
+        return routes
+    return routes[("up" if forward else "dpre", fp8)]
 
 
 EPILOGUE_CONFIG = (64, 128, 8)  # BLOCK_M, BLOCK_N, num_warps of the split path's epilogue pass
@@ -493,7 +488,7 @@ def _use_tma_store(a, b, operands_tma, aux, out, out_q, out_qt) -> bool:
     return operands_tma and all(_tma_ready(t) for t in (aux, out, out_q, out_qt) if t is not None)
 
 
-_INTERP_CONFIG = (32, 64, 32, 2, 1, 1)  # few, fat programs: the interpreter pays ~50 ms per program
+_INTERP_CONFIG = (32, 64, 32, 2, 1, 1)  # few, fat programs: the interpreter pays a high cost per program
 
 
 def _check_gemm_args(a, b, aux, aux_scale, a_scale, b_scale, q_dtype, q_scale, store_out, emit_transposed, amax):
@@ -559,7 +554,7 @@ def relu2_gemm(
     out: torch.Tensor | None = None,
     out_q: torch.Tensor | None = None,
     out_qt: torch.Tensor | None = None,
-    impl: str | None = None,
+    impl: str | dict[tuple[str, bool], str] | None = None,
 ) -> GemmOut:
     """Fused ``acc = a @ bᵀ`` (fp32 accumulate) with a ReLU² epilogue (Triton).
 
@@ -576,12 +571,13 @@ def relu2_gemm(
         impl: "fused" (one Triton kernel), "tma" (one Triton kernel, epilogue through TMA;
             "fused" where TMA cannot run) or "split" (cuBLAS GEMM to a bf16 (M, N) temporary,
             then the epilogue in Triton; the accumulator is rounded to bf16 before the epilogue);
-            None = the module default :data:`GEMM_IMPL` for this direction and dtype.
+            None = :data:`DEFAULT_GEMM_IMPL`'s route for this direction and dtype (a table like it
+            picks from that table).
 
     K and N must be multiples of 16 (M is free).  Returns :class:`GemmOut`.
     """
     _check_gemm_args(a, b, aux, aux_scale, a_scale, b_scale, q_dtype, q_scale, store_out, emit_transposed, amax)
-    impl = default_gemm_impl(aux is None, a.dtype in _FP8) if impl is None else impl
+    impl = impl if isinstance(impl, str) else default_gemm_impl(aux is None, a.dtype in _FP8, impl)
     if impl not in GEMM_IMPLS:
         raise ValueError(f"relu2_gemm: impl must be one of {GEMM_IMPLS}, got {impl!r}")
     if not triton_usable(a):
@@ -710,8 +706,10 @@ def relu2_gemm_reference(
     out: torch.Tensor | None = None,
     out_q: torch.Tensor | None = None,
     out_qt: torch.Tensor | None = None,
+    impl: str | dict[tuple[str, bool], str] | None = None,
 ) -> GemmOut:
-    """Plain-PyTorch reference of :func:`relu2_gemm` (same signature; fp32 math)."""
+    """Plain-PyTorch reference of :func:`relu2_gemm` (same signature; fp32 math; ``impl``, the
+    kernel's route, is ignored)."""
     _check_gemm_args(a, b, aux, aux_scale, a_scale, b_scale, q_dtype, q_scale, store_out, emit_transposed, amax)
     out, out_q, out_qt, amax = _gemm_outputs(a, b, q_dtype, store_out, out_dtype, emit_transposed, amax, out, out_q, out_qt)
     acc = a.float() @ b.float().t()
@@ -841,10 +839,11 @@ def _weights_fp8(w1, w2, cache):
 
 class _Relu2MLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, mode, c1, c2, state, x_fp8=None):
+    def forward(ctx, x, w1, w2, mode, c1, c2, state, x_fp8=None, gemm=None):
         ctx.mode = mode
+        ctx.gemm = gemm  # relu2_gemm's impl (route name, table or None: the default)
         if mode == "bf16":
-            post = relu2_gemm(x, w1).out
+            post = relu2_gemm(x, w1, impl=gemm).out
             y = post @ w2.t()
             ctx.save_for_backward(x, w1, w2, post)
             return y
@@ -856,11 +855,12 @@ class _Relu2MLP(torch.autograd.Function):
         if state.post_ready:
             post_scale = state.post_scale()
         else:  # before the first step end: this call's own amax (one extra GEMM)
-            pre_post = relu2_gemm(xq, c1.data, a_scale=x_scale, b_scale=c1.scale).out
+            pre_post = relu2_gemm(xq, c1.data, a_scale=x_scale, b_scale=c1.scale, impl=gemm).out
             post_scale = state.post_scale(pre_post.float().abs().amax())
         r = relu2_gemm(
             xq, c1.data, a_scale=x_scale, b_scale=c1.scale, store_out=not full, out_dtype=x.dtype,
             q_dtype=E4M3, q_scale=post_scale, emit_transposed=full, amax=state.accumulator("post", x.device),
+            impl=gemm,
         )
         y = scaled_mm(r.q, c2.data.t(), post_scale, c2.scale, out_dtype=x.dtype, use_fast_accum=True)
         if full:
@@ -875,35 +875,36 @@ class _Relu2MLP(torch.autograd.Function):
         g = g.contiguous()
         if ctx.mode != "fp8_full":
             x, w1, w2, post = ctx.saved_tensors
-            dpre = relu2_gemm(g, w2.t(), aux=post, out_dtype=g.dtype).out
+            dpre = relu2_gemm(g, w2.t(), aux=post, out_dtype=g.dtype, impl=ctx.gemm).out
             dx = dpre @ w1
             sink = getattr(ctx, "dw_sink", None)
             if sink is not None:  # the caller's buffer takes dW1, dW2 (both (H, D)) in its GEMMs
                 sink(0, dpre.t(), x)
                 sink(1, post.t(), g)
-                return dx, None, None, None, None, None, None, None
+                return dx, None, None, None, None, None, None, None, None
             dw1 = dpre.t() @ x
             # dW2 (D, H) as the transpose of a contiguous (H, D) product: the banks store w2 as
             # (H, D), whose gradient then needs no transposing copy (88 per step in the record)
             dw2 = (post.t() @ g).t()
-            return dx, dw1, dw2, None, None, None, None, None
+            return dx, dw1, dw2, None, None, None, None, None, None
         xqt, x_scale, pq, pqt, p_scale, w1t, w1s, w2t, w2s = ctx.saved_tensors
         state = ctx.state
         gq, gqt, g_scale = state.quantize_input(g, "g", transposed=True)
         if state.dpre_ready:
             d_scale = state.dpre_scale()
         else:
-            d = relu2_gemm(gq, w2t, aux=pq, aux_scale=p_scale, a_scale=g_scale, b_scale=w2s).out
+            d = relu2_gemm(gq, w2t, aux=pq, aux_scale=p_scale, a_scale=g_scale, b_scale=w2s, impl=ctx.gemm).out
             d_scale = state.dpre_scale(d.float().abs().amax())
         r = relu2_gemm(
             gq, w2t, aux=pq, aux_scale=p_scale, a_scale=g_scale, b_scale=w2s, store_out=False,
             q_dtype=E5M2, q_scale=d_scale, emit_transposed=True, amax=state.accumulator("dpre", g.device),
+            impl=ctx.gemm,
         )
         dtype = g.dtype
         dx = scaled_mm(r.q, w1t.t(), d_scale, w1s, out_dtype=dtype)
         dw1 = scaled_mm(r.qt, xqt.t(), d_scale, x_scale, out_dtype=dtype)
         dw2 = scaled_mm(pqt, gqt.t(), p_scale, g_scale, out_dtype=dtype).t()  # (H, D) contiguous, as above
-        return dx, dw1, dw2, None, None, None, None, None
+        return dx, dw1, dw2, None, None, None, None, None, None
 
 
 def _check_x_fp8(x2, mode, x_fp8):
@@ -933,7 +934,7 @@ def _mlp_inputs(x, w1, w2, mode, cache, scales, x_fp8=None):
 
 
 def relu2_mlp_forward(ctx, x, w1, w2, *, mode: str, cache=None, scales: "MLPScaleState | None" = None,
-                      x_fp8=None, dw_sink=None) -> torch.Tensor:
+                      x_fp8=None, dw_sink=None, gemm=None) -> torch.Tensor:
     """The forward half of :func:`relu2_mlp` for callers that run forward and backward themselves
     (:mod:`speedrun.kernels.opaque`): same arguments, state for the backward kept on ``ctx`` (a
     :class:`~speedrun.kernels.opaque.KernelCtx`).  Returns y (..., D).
@@ -948,7 +949,7 @@ def relu2_mlp_forward(ctx, x, w1, w2, *, mode: str, cache=None, scales: "MLPScal
     x2, c1, c2, scales = _mlp_inputs(x, w1, w2, mode, cache, scales, x_fp8)
     ctx.x_shape = x.shape
     ctx.dw_sink = dw_sink
-    y = _Relu2MLP.forward(ctx, x2, w1, w2, mode, c1, c2, scales, x_fp8)
+    y = _Relu2MLP.forward(ctx, x2, w1, w2, mode, c1, c2, scales, x_fp8, gemm)
     return y.reshape(*x.shape[:-1], w2.shape[0])
 
 
@@ -969,6 +970,7 @@ def relu2_mlp(
     cache: tuple[FP8Weight, FP8Weight] | None = None,
     scales: MLPScaleState | None = None,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gemm: str | dict[tuple[str, bool], str] | None = None,
 ) -> torch.Tensor:
     """``relu(x @ w1ᵀ)² @ w2ᵀ`` with gradients for x, w1, w2 (see the module docstring for modes).
 
@@ -986,7 +988,9 @@ def relu2_mlp(
             caller (``real ~= x_q * scale``; e.g. :func:`~speedrun.kernels.fp8_cache.quantize_current_graph`
             compiled into the code that makes x); the MLP then skips its own input quantisation.
             x itself is still needed (the backward's dW1 reads it in bf16).
+        gemm: the GEMM route of every :func:`relu2_gemm` call (its ``impl``; None: the default
+            per direction and dtype, :data:`DEFAULT_GEMM_IMPL`).
     """
     x2, c1, c2, scales = _mlp_inputs(x, w1, w2, mode, cache, scales, x_fp8)
-    y = _Relu2MLP.apply(x2, w1, w2, mode, c1, c2, scales, x_fp8)
+    y = _Relu2MLP.apply(x2, w1, w2, mode, c1, c2, scales, x_fp8, gemm)
     return y.reshape(*x.shape[:-1], w2.shape[0])

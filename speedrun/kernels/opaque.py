@@ -101,7 +101,7 @@ _MARKERS: dict = {}
 
 def _with_marker(outs: list[torch.Tensor], device) -> list[torch.Tensor]:
     """``outs`` plus the trailing empty tensor every opaque op returns (see the module docstring);
-    one cached 0-element tensor per device (an allocation per call cost ~4 us of host time)."""
+    one cached 0-element tensor per device (an allocation per call costs host time)."""
     marker = _MARKERS.get(device)
     if marker is None:
         marker = _MARKERS[device] = torch.empty(0, device=device)
@@ -126,7 +126,7 @@ def _unalias(outs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[t
 def _conform(kernel: OpaqueKernel, t: torch.Tensor, shape, dtype, what: str) -> torch.Tensor:
     if t.shape != tuple(shape):
         raise RuntimeError(f"{kernel.name}: {what} has shape {tuple(t.shape)}, promised {tuple(shape)}")
-    if t.dtype == dtype and t.is_contiguous():  # the usual case; .to().contiguous() costs ~3 us
+    if t.dtype == dtype and t.is_contiguous():  # the usual case; .to().contiguous() costs host time
         return t
     return t.to(dtype).contiguous()
 
@@ -157,7 +157,7 @@ def _opaque_fwd_fake(inputs, handle, keep):
 def _encode_meta(tensors) -> str:
     """"ndim,*shape,dtype code" per tensor, flattened and comma-joined.  A string, not an int
     list: Inductor's C++ wrapper cannot pass ``int[]`` arguments to a Python custom op
-    ("arg type List[int] is not yet supported by custom_op_wrapper", sixth device session)."""
+    ("arg type List[int] is not yet supported by custom_op_wrapper")."""
     out: list[int] = []
     for t in tensors:
         out += [t.dim(), *t.shape, _DTYPES.index(t.dtype)]
@@ -201,8 +201,8 @@ def _opaque_bwd_fake(grads, handle, meta):
 
 # The two ops are defined with torch.library's low-level API, not ``torch.library.custom_op``:
 # custom_op's Python layers (its autograd wrapper, which runs even under no_grad inside compiled
-# graphs, and the dispatch wrappers around the implementation) cost ~30 us per call on top of
-# ours (CPU measurement in docs/perf-notes.md, seventh session).  The autograd lives in
+# graphs, and the dispatch wrappers around the implementation) cost several times our own host
+# time per call (benchmarks/bench_opaque.py measures it).  The autograd lives in
 # _OpaqueCall instead, which Dynamo traces into the graph.
 _LIB = torch.library.Library("speedrun", "FRAGMENT")
 _LIB.define("opaque_fwd(Tensor[] inputs, int handle, bool keep) -> Tensor[]")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from speedrun.kernels.launch import launch
+from speedrun.kernels._triton import launch, sm_count
 from speedrun.kernels.launch_notes import launch_note
 
 try:  # Triton is optional on CPU-only installs; the references then do all the work.
@@ -276,8 +276,6 @@ def _config(reduce_dim: int, kind: str, elem_bytes: int = 2,
         if kind == "ba_plus_caa" or reduce_dim == 768:
             return 128, 128, 64, 4, 8
         return 64, 128, 128, 4, 8
-    from speedrun.kernels.fp8_cache import sm_count  # here: this module imports without Triton
-
     _, batch, n_out, _ = key
     big_tiles = batch * (-(-n_out // 128)) ** 2
     if big_tiles < sm_count(device):
@@ -325,7 +323,7 @@ def _launch_sym(kernel, name: str, A: Tensor, out: Tensor, n_out: int, reduce_di
     a3, c3 = _as3d(A), _as3d(out)
     bm, bn, bk, stages, warps = _config(reduce_dim, name, A.element_size(), (name, a3.size(0), n_out, reduce_dim),
                                         A.device)
-    grid = (-(-n_out // bm) * -(-n_out // bn), a3.size(0))  # (triton.cdiv costs ~4 us from Python)
+    grid = (-(-n_out // bm) * -(-n_out // bn), a3.size(0))  # (triton.cdiv is slow to call from Python)
     if grid[1] > 65535:
         raise ValueError(f"{name}: batch of {grid[1]} exceeds the 65535 grid limit")
     sizes = (a3.size(1), a3.size(2)) if kernel is not _ba_plus_caa_kernel else (a3.size(1),)

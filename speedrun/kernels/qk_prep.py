@@ -48,27 +48,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from speedrun.kernels.fp8_cache import (
-    E5M2,
-    _fp8_bits,
-    _fp8_bits_hw,
-    _round_to_grid,
-    cdiv,
-    grid_constants,
-    interpreting,
-    next_pow2,
-    triton_usable,
-)
-from speedrun.kernels.launch import launch
+from speedrun.kernels._triton import cdiv, interpreting, launch, next_pow2, triton_usable
+from speedrun.kernels.fp8_cache import E5M2, _fp8_bits, _fp8_bits_hw, _round_to_grid, grid_constants
 from speedrun.kernels.launch_notes import launch_note
-from speedrun.model.rotary import apply_rotary
+from speedrun.kernels.rotary import apply_rotary
 
 __all__ = ["CONFIGS", "qk_prep", "qk_prep_reference", "qk_prep_bytes"]
 
-# Launch parameters on GPU: rows (token x head) per program and warps.  From
-# `bench_qk_prep.py --sweep` on the H200 (eighteenth device session), summed over the layouts the
-# candidate launches at stage 3: forward 0.392 ms (was 0.434 at 32 rows / 4 warps), backward
-# 0.412 ms (was 0.419 at 16 / 4); small programs keep more of them in flight per SM.
+# Launch parameters on GPU: rows (token x head) per program and warps, the fastest of
+# `bench_qk_prep.py --sweep` on the H200 summed over the layouts the candidate launches at stage 3
+# (faster than 32 rows / 4 warps forward and 16 / 4 backward): small programs keep more of them in
+# flight per SM.
 CONFIGS = {
     "fwd": {"BLOCK_R": 8, "num_warps": 2},
     "bwd": {"BLOCK_R": 8, "num_warps": 2},

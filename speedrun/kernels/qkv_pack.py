@@ -55,8 +55,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from speedrun.kernels._triton import cdiv, interpreting, launch, triton_usable
 from speedrun.kernels.fp8_cache import (
-    cdiv,
     current_scale,
     E4M3,
     FP8_MAX,
@@ -65,12 +65,9 @@ from speedrun.kernels.fp8_cache import (
     _round_to_grid,
     grid_constants,
     headroom_scale,
-    interpreting,
     InputScaling,
-    triton_usable,
 )
 from speedrun.kernels.fp8_ops import scaled_mm
-from speedrun.kernels.launch import launch
 from speedrun.kernels.launch_notes import launch_note
 
 __all__ = [

@@ -8,8 +8,8 @@ per lookup, seven lookups per micro-batch).  A Triton kernel reads the bf16 rows
 in fp32 directly, one atomic add per element: N D (2 + 8) bytes (read, atomic read-modify-write).
 Atomic adds make the order of the fp32 sums, and so their last bits, vary from run to run (as
 autograd's own embedding backward on CUDA does).  A variant that sorted the rows and summed each
-id's run in registers first (one add per distinct id) made the stage-3 step 2.4% slower on the
-H200 (sixteenth device session) and was removed.
+id's run in registers first (one add per distinct id) made the stage-3 step slower on the H200
+and was removed.
 
 ``accumulate_rows_reference`` (plain PyTorch, same signature) is the CPU path and the tests' reference.
 """
@@ -20,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from speedrun.kernels.fp8_cache import cdiv, triton_usable
-from speedrun.kernels.launch import launch
+from speedrun.kernels._triton import cdiv, launch, triton_usable
 from speedrun.kernels.launch_notes import launch_note
 
 BLOCK_ROWS, BLOCK_D, NUM_WARPS = 16, 256, 4

@@ -11,8 +11,8 @@ slot of one persistent bank-shaped buffer: the first micro-batch of a step overw
 (beta = 0), later ones add into it inside the GEMM (``addmm_``, beta = 1: the GEMM reads the old
 slot once and writes the sum).  :meth:`MLPBankGradAccumulator.flush` hands the buffer to the
 bank's ``.grad`` once per step.  Beyond the dW GEMMs' own writes (the same on both routes), a
-stage-3 step then moves 7 x 104 MB (the beta = 1 reads) instead of ~3.8 GB: ~0.74 ms less at
-4.2 TB/s (docs/perf-notes.md, twenty-fourth session).  The MLP returns no gradient
+record stage-3 step then moves 7 x 104 MB (the beta = 1 reads) instead of ~3.8 GB of stacks and
+adds.  The MLP returns no gradient
 for its weights, so autograd's stack and adds disappear.  The sum over micro-batches is rounded
 to the bank's dtype once per GEMM (the fp32 product plus the old slot, rounded), where autograd
 rounds the product and then the sum.

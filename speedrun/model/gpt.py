@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from speedrun.attention import get_backend
 from speedrun.config import ModelConfig
-from speedrun.model.interface import ForwardArgs
+from speedrun.model.interface import ForwardArgs, TrainableModel
 from speedrun.model.rotary import Rotary
 
 
@@ -87,8 +87,10 @@ class Block(nn.Module):
         return x + self.mlp(rms_norm(x))
 
 
-class GPT(nn.Module):
+class GPT(TrainableModel):
     """The core model.  See the module docstring; ``cfg`` is validated on construction."""
+
+    generates_text = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

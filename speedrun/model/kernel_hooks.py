@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from speedrun.errors import ConfigError
+from speedrun.kernels.options import KernelOptions
 
 MODES = ("reference", "triton", "fp8", "fp8_full")
 
@@ -33,9 +34,10 @@ class FusedHead:
     :class:`~speedrun.kernels.cross_entropy.HeadFP8Weight` of ``lm_head`` (or None before the first
     refresh: the call quantises the weight itself)."""
 
-    def __init__(self, use_fp8: bool, fp8_weight=None):
+    def __init__(self, use_fp8: bool, fp8_weight=None, options: KernelOptions = KernelOptions()):
         self.use_fp8 = use_fp8
         self.fp8_weight = fp8_weight
+        self.options = options  # ce_sigmoid, ce_grad_layout
 
     def __call__(self, h, lm_head, targets, mtp_weights, prefix_targets, prefix_weight, *, softcap):
         from speedrun.kernels.cross_entropy import fused_softcapped_ce
@@ -50,7 +52,8 @@ class FusedHead:
         if not isinstance(prefix_weight, torch.Tensor):
             prefix_weight = float(prefix_weight)
         return fused_softcapped_ce(x, w, targets, mtp_weights, prefix_targets, prefix_weight, use_fp8=self.use_fp8,
-                                   vocab_size=None, softcap=softcap, fp8_weight=cached)
+                                   vocab_size=None, softcap=softcap, fp8_weight=cached, sigmoid=self.options.ce_sigmoid,
+                                   grad_layout=self.options.ce_grad_layout)
 
 
 class FusedMLP:
@@ -78,6 +81,7 @@ class FusedMLP:
             raise ConfigError("FusedMLP: weight_grads (model.mlp_weight_grad=accumulate) needs mode 'bf16' or "
                               "'fp8_fwd'; fp8_full's weight gradients are FP8 GEMMs")
         self.mode = mode
+        self.options = KernelOptions()  # mlp_gemm (set_kernel_options)
         self.weight_grads = weight_grads
         self.input_scaling = input_scaling  # MLPScaleState.input_scaling of every layer
         self.input_quant = input_quant
@@ -153,7 +157,7 @@ class FusedMLP:
             acc = self.weight_grads
             sink = lambda which, a, b: acc.add_product(layer, which, a, b)  # noqa: E731
         return [relu2_mlp_forward(ctx, x, w1, w_proj.t(), mode=self.mode, cache=cache, scales=scales, x_fp8=x_fp8,
-                                  dw_sink=sink)]
+                                  dw_sink=sink, gemm=self.options.mlp_gemm_route)]
 
     def _accumulates(self, layer: int | None) -> bool:
         return self.weight_grads is not None and layer is not None
@@ -194,3 +198,11 @@ def install_kernels(model, mode: str, input_scaling: str = "current", mlp_input_
                               weights=getattr(model, "mlp_fp8_weights", None), input_scaling=input_scaling,
                               input_quant=mlp_input_quant, weight_grads=mlp_weight_grads)
     model.mlp_impl.prepare(range(getattr(model, "num_layers", 0)))
+
+
+def set_kernel_options(impls, options: KernelOptions) -> None:
+    """Hand ``options`` to those of a model's loss head / MLP implementations (``impls``) that are
+    fused kernels (each passes the values to its kernel calls); references take none."""
+    for impl in impls:
+        if isinstance(impl, (FusedHead, FusedMLP)):
+            impl.options = options

@@ -62,7 +62,7 @@ from speedrun.config import ModelConfig
 from speedrun.data.loader import bigram_hash
 from speedrun.errors import ConfigError
 from speedrun.model.embedding_grad import EmbeddingGradAccumulator
-from speedrun.model.interface import ForwardArgs
+from speedrun.model.interface import ForwardArgs, TrainableModel
 from speedrun.model.record_parts import (
     GateLayout,
     bigram_sign_index,
@@ -235,7 +235,7 @@ def _next_multiple(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-class RecordGPT(nn.Module):
+class RecordGPT(TrainableModel):
     """The record GPT.  See the module docstring.
 
     Args:
@@ -480,6 +480,11 @@ class RecordGPT(nn.Module):
         self.bigram_sign_table = self.bigram_sign_table.to(dtype)
         return self
 
+    def cast_for_training(self, dtype: torch.dtype) -> "RecordGPT":
+        """:class:`TrainableModel` hook: :meth:`cast_to_record_dtypes` (bf16 weights, fp32 scalars,
+        as NorMuon tracks the scalars' mantissas)."""
+        return self.cast_to_record_dtypes(dtype)
+
     @torch.no_grad()
     def sync_embed_from_lm_head(self) -> None:
         """``embed <- lm_headᵀ`` (what the optimizer does after each step while the two are tied)."""
@@ -701,6 +706,50 @@ class RecordGPT(nn.Module):
                 raise ValueError(f"checkpoint has FP8 MLP activation scales but model.kernels={self.cfg.kernels!r}")
             self.mlp_impl.load_state_dict(state["mlp_activations"])
 
+    # ------------------------------------------------------------------------------------------
+    # TrainableModel hooks (the training loop's calls; see speedrun.model.interface)
+
+    def set_kernel_options(self, options) -> None:
+        """The fused loss head's and MLP's options (CE sigmoid and gradient layout, GEMM route)."""
+        from speedrun.model.kernel_hooks import set_kernel_options
+
+        set_kernel_options((self.ce_impl, self.mlp_impl), options)
+
+    def after_optimizer_step(self) -> None:
+        """Re-quantise the FP8 weight copies (:meth:`refresh_fp8_weights`) when any are used."""
+        if self.uses_fp8_weights:
+            self.refresh_fp8_weights()
+
+    def end_step(self) -> None:
+        """:meth:`end_fp8_step`."""
+        self.end_fp8_step()
+
+    def after_evaluation(self) -> None:
+        """:meth:`discard_fp8_step`: evaluation amaxes must not steer training's FP8 scales."""
+        self.discard_fp8_step()
+
+    def reset_after_warmup(self) -> None:
+        """The warmup's FP8 scales belong to weights that are gone (:meth:`reset_fp8_state`), and
+        gradients of a warmup step not yet flushed (an even step's embeddings, the MLP bank's sum)
+        are dropped."""
+        self.reset_fp8_state()
+        self.discard_embedding_grads()
+        self.discard_weight_grads()
+
+    def extra_state(self) -> dict:
+        """``{"fp8": fp8_state_dict(), "embedding_grads": embedding_grad_state()}``."""
+        return {"fp8": self.fp8_state_dict(), "embedding_grads": self.embedding_grad_state()}
+
+    def load_extra_state(self, state: dict) -> None:
+        """Restore :meth:`extra_state` (after the weights, before the next FP8 refresh, which replays
+        the saved scales)."""
+        unknown = set(state) - {"fp8", "embedding_grads"}
+        if unknown:
+            raise ValueError(f"unknown extra state sections {sorted(unknown)}")
+        if state.get("fp8"):
+            self.load_fp8_state_dict(state["fp8"])
+        self.load_embedding_grad_state(state.get("embedding_grads") or {})
+
     def _qkv_sources_version(self) -> tuple[int, ...]:
         return (self.qk_bank._version, self.vo_bank._version, self.scalars._version)
 
@@ -772,8 +821,7 @@ class RecordGPT(nn.Module):
         w = torch.cat((qk_w[j].reshape(2 * H * dqk, -1), vo_w[2 * j])).type_as(h) * sa[0]
         # split, not slicing: the backward is then a cat that Inductor writes region by region,
         # where three slice_backwards summed compiled to one flat loop over (T, 2304) with three
-        # masked regions, bound by its index arithmetic (~0.65 ms per layer at stage 3, seventh
-        # device session; docs/perf-notes.md)
+        # masked regions, bound by its index arithmetic
         q, k, v = torch.split(F.linear(h, w), (H * dqk, H * dqk, H * dv), dim=1)
         q, k, v = _norm(q.view(T, H, dqk)), _norm(k.view(T, H, dqk)), v.view(T, H, dv)
         if paired:
@@ -1057,7 +1105,7 @@ class RecordGPT(nn.Module):
         xb = bigram_rows * signs.type_as(self.bigram_embed)
         xb = xb.type_as(x)
         # n_ve tensors (T, D), unbound once: their gradient is then one stack (per-layer ve[j] indexing
-        # summed zero-padded select_backwards over the whole (n_ve, T, D), ~1.1 ms per stage-3 micro-batch)
+        # summed zero-padded select_backwards over the whole (n_ve, T, D), a pass per table)
         ve = ve_all.type_as(x).unbind(0)
 
         smear_lambda = self.scalars[2 * L]
@@ -1079,7 +1127,7 @@ class RecordGPT(nn.Module):
         pa, pm = self.post_lambdas[:, 0].type_as(x), self.post_lambdas[:, 1].type_as(x)
         # Each layer's (fc, proj) by unbind, not bank[i, 0] indexing: the gradient of 2L selects
         # was one pointwise kernel over the whole bank loading all 2L per-layer gradients for every
-        # element (4.3 ms per stage-3 step, ~10x its bytes, seventh device session); unbind's
+        # element (about ten times its bytes); unbind's
         # backward is a stack, written region by region.
         mlp_w = [layer.unbind(0) for layer in self.mlp_bank.unbind(0)]
         # Evaluation runs without FP8, as upstream's does: its MLP in plain bf16 (so do the packed

@@ -203,7 +203,7 @@ def dc_postonly_correction(
     # Keys of query block n: positions n B - W .. n B + B - 1.  The first is never within the
     # window of any query (the band needs B + W - 1 keys), but B + W keeps the batched GEMMs'
     # key dimension a multiple of 8 at the record's shape (128 + 112 = 240): cuBLAS ran the odd
-    # 239 on slow alignment-1 kernels (~3.4 ms per stage-3 step, sixteenth device session).
+    # 239 on slow alignment-1 kernels.
     K = B + W
     f32 = torch.float32
     dev = q.device
@@ -229,7 +229,7 @@ def dc_postonly_correction(
     s = s.masked_fill(~valid[:, None], -1e30)
     p = torch.softmax(s, dim=-1) * valid[:, None]  # rows with no valid key (padding) become 0
     # The head mix as a broadcast product and sum, not an einsum: einsum made it a batched GEMM
-    # whose backward is 49,152 outer products (K = 1; 3.4 ms per stage-3 step), where Inductor
+    # whose backward is T outer products (K = 1, slow on any GEMM library), where Inductor
     # fuses this form's backward into the softmax's.
     a = (p * queries(w1.to(f32)).permute(0, 2, 1)[..., None]).sum(1)  # (nb, B, K)
     av = torch.einsum("nbk,nhdk->nbhd", a, vb)  # (nb, B, H, Dv)

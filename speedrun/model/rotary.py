@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from speedrun.kernels.rotary import apply_rotary  # noqa: F401  (the plain rotation lives beside its kernels)
+
 
 def rope_dims_for(head_dim: int, rope_fraction: float) -> int:
     """Number of rotating dims: ``head_dim * rope_fraction`` rounded down to an even number."""
@@ -33,25 +35,6 @@ def rope_tables(positions: int, freqs: torch.Tensor, device=None) -> tuple[torch
     t = torch.arange(positions, dtype=torch.float32, device=device)
     angles = torch.outer(t, freqs.to(device=device, dtype=torch.float32))
     return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the leading ``2 * cos.shape[-1]`` dims of ``x`` in interleaved pairs.
-
-    x: (T, H, D) any float dtype; cos, sin: (T, n) float32 with 2n <= D.  Returns x's dtype.
-    The math runs in float32 and the stationary dims pass through unchanged.  The plain reference
-    of :func:`rotate_with_factors` (the record network's path), which gives the same bits.
-    """
-    n = cos.shape[-1]
-    if n == 0:
-        return x
-    T = x.shape[0]
-    rot = x[..., : 2 * n].float().unflatten(-1, (n, 2))
-    x0, x1 = rot[..., 0], rot[..., 1]
-    c = cos[:T, None, :]
-    s = sin[:T, None, :]
-    y = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
-    return torch.cat((y.to(x.dtype), x[..., 2 * n :]), dim=-1)
 
 
 def rotary_factors(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,8 +67,7 @@ def rotate_with_factors(x: torch.Tensor, f_cos: torch.Tensor, f_sin: torch.Tenso
     them) broadcastable to x.  Gives :func:`apply_rotary`'s values (the same fp32 products and
     sums; stationary dims are ``x * 1 + y * 0 = x`` exactly) without its slices, ``stack`` and
     ``cat``.  (The slow backward kernels once blamed on those slices were the summed
-    ``slice_backward``s of the q/k/v slicing around it, seventh device session; the record now
-    splits qkv.  ``benchmarks/bench_rotary.py`` times the formulations.)"""
+    ``slice_backward``s of the q/k/v slicing around it; the record now splits qkv.  ``benchmarks/bench_rotary.py`` times the formulations.)"""
     xf = x.float()
     return (xf * f_cos + swap_pairs(xf) * f_sin).to(x.dtype)
 

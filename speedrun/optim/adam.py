@@ -14,7 +14,9 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["adam_update_", "AdamState", "new_adam_state"]
+from speedrun.kernels.fused_adam import adam_update_fused_, fused_adam_supported
+
+__all__ = ["adam_update_", "adam_update_auto_", "AdamState", "new_adam_state"]
 
 AdamState = dict  # {"step": int, "exp_avg": fp32 Tensor, "exp_avg_sq": fp32 Tensor}
 
@@ -69,3 +71,14 @@ def adam_update_(
     else:
         p.copy_(p32.sub_(update))
     return p
+
+
+def adam_update_auto_(p: Tensor, grad: Tensor, state: dict, *, lr: float, betas: tuple[float, float],
+                      eps: float, weight_decay: float, use_triton: bool | None = None) -> Tensor:
+    """The Adam step through :func:`adam_update_fused_` or the reference.  ``use_triton`` None: the
+    kernel for CUDA tensors it supports (:func:`fused_adam_supported`), the reference otherwise
+    (as Polar Express decides); False: the reference; True: the kernel or a clear error (on CPU
+    tensors only under ``TRITON_INTERPRET=1``)."""
+    fused = (p.is_cuda and fused_adam_supported(p, grad)) if use_triton is None else use_triton
+    fn = adam_update_fused_ if fused else adam_update_
+    return fn(p, grad, state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from speedrun.kernels.fused_adam import adam_update_auto_
-from speedrun.optim.adam import new_adam_state
+from speedrun.optim.adam import adam_update_auto_, new_adam_state
 
 __all__ = [
     "ParamGroupSpec",

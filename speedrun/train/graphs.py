@@ -158,7 +158,7 @@ def step_key(model, recipe, batches: Sequence, args: ForwardArgs, scale: float) 
     shape = _batch_shape(batches[0])
     if any(_batch_shape(b) != shape for b in batches[1:]):
         raise ValueError("step_key: the micro-batches of one step must share their shapes")
-    signature = model.graph_signature() if hasattr(model, "graph_signature") else (model.training,)
+    signature = model.graph_signature()
     return StepKey(
         shapes=shape, count=len(batches), scale=float(scale), windows=(args.window_short, args.window_long),
         mtp_count=len(args.mtp_weights), prefix=not _is_zero(args.prefix_weight),
@@ -450,7 +450,7 @@ class StepGraphs:
         cap = self._capturer
         static = self._static_inputs(batches)
         gargs = self._graph_args(args)
-        host = model.graph_host_state() if hasattr(model, "graph_host_state") else None
+        host = model.graph_host_state()
         cap.synchronize()
         self.stats.peak_allocated = max(self.stats.peak_allocated, cap.peak_allocated())
 
@@ -505,7 +505,7 @@ class StepGraphs:
             self._loss.copy_(total)
 
         graph = cap.capture(loop)
-        host_after = model.graph_host_state() if hasattr(model, "graph_host_state") else None
+        host_after = model.graph_host_state()
         step = CapturedStep(key, graph, static, grads, carried, host_after)
         self._replay_captured(step)
         cap.synchronize()

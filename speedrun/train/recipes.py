@@ -227,8 +227,8 @@ class RecordRecipe:
     def _refresh_fp8(self) -> None:
         """FP8 weight copies follow every change of the weights, and only those."""
         if self.model.uses_fp8_weights:
-            self.model.refresh_fp8_weights()
             self.fp8_refreshes += 1
+        self.model.after_optimizer_step()
 
     def on_clock_start(self) -> None:
         """The record builds the prefix table inside the timed region."""

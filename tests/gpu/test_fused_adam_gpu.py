@@ -1,6 +1,6 @@
 """The one-pass Adam kernel against the eager reference on CUDA, at the record's table shapes
 (skipped without a GPU).  The kernel spells out torch's CUDA rounding sequence with libdevice;
-on the H200 (ninth session) exp_avg, exp_avg_sq and p came out bit-equal.  The bounds leave room
+on the H200 exp_avg, exp_avg_sq and p came out bit-equal.  The bounds leave room
 for a compiler that contracts differently: the moments within 4 fp32 ulps and under 25% of their
 elements differing (a guard against a systematic offset; the test prints the fractions), p within
 3 bf16 ulps (one per step) of the largest |p| the weight had, with under 5% differing.

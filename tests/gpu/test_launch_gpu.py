@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from speedrun.kernels import launch as L  # noqa: E402
+from speedrun.kernels import _triton as L  # noqa: E402
 from speedrun.kernels.fp8_cache import abs_max  # noqa: E402
 
 

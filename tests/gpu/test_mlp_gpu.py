@@ -56,12 +56,12 @@ def _no_tf32():
 def kernel_kind(request):
     """Run a test with the TMA persistent GEMM, the pointer GEMM, the split path (cuBLAS GEMM,
     then the epilogue pass) and the module's per-case default (split for the FP8 dpre only)."""
-    old = mlp_module.USE_TMA, mlp_module.GEMM_IMPL
+    old = mlp_module.USE_TMA, mlp_module.DEFAULT_GEMM_IMPL
     mlp_module.USE_TMA = request.param in ("tma", "per-case")
-    if request.param != "per-case":
-        mlp_module.GEMM_IMPL = "split" if request.param == "split" else "fused"
+    if request.param != "per-case":  # the route relu2_gemm takes when called without impl
+        mlp_module.DEFAULT_GEMM_IMPL = dict.fromkeys(old[1], "split" if request.param == "split" else "fused")
     yield request.param
-    mlp_module.USE_TMA, mlp_module.GEMM_IMPL = old
+    mlp_module.USE_TMA, mlp_module.DEFAULT_GEMM_IMPL = old
 
 
 def _poison(*shape, dtype):

@@ -90,14 +90,14 @@ def test_packed_linear_record_shape(dw_fp8):
     yr, dxr, dqkr, dvr, dsar = run(packed_qkv_linear_reference, None)
     # Our part of the forward is the quantisation of x.  The GEMM is cuBLAS, whose algorithm (and
     # so the rounding of the fast-accumulation path, which on Hopper keeps only ~14 accumulator
-    # bits) can differ between two calls on equal inputs (sixth session: two fast-accumulation
-    # calls differed by ~1% per element).  So: with exact accumulation, y must match the GEMM of
+    # bits) can differ between two calls on equal inputs (two fast-accumulation calls have
+    # differed by ~1% per element).  So: with exact accumulation, y must match the GEMM of
     # the reference's quantised x to fp32 summation order (a different quantisation of x moves y
     # by ~1e-2); with fast accumulation (the forward's setting) it is bounded against the
     # dequantised fp32 product.
-    # Seventh session: the exact-accumulation check below failed at rel 1.5e-2 (the size of a
-    # different quantisation).  Check the quantisation of x on both input dtypes first, bit for
-    # bit, so a failure says which part differs.
+    # Should the exact-accumulation check below fail at the size of a different quantisation
+    # (rel ~1e-2), the bit-for-bit check of x's quantisation (both input dtypes) first says which
+    # part differs.
     xq, _, xs = quantize_current_reference(x0, fp8_dtype=E4M3, transposed=False)
     for x_in in (x0, x0.float()):
         q_ours, _, s_ours = quantize_current(x_in, fp8_dtype=E4M3, transposed=False)

@@ -1,13 +1,21 @@
-"""Launch our Triton kernels through their compiled handle once they are compiled.
+"""The kernels' helper layer: host-side Triton helpers every kernel module shares.
+
+- :func:`interpreting` (whether Triton runs kernels in its CPU interpreter, from this module's own
+  probe kernel), :func:`triton_usable`, :func:`cdiv`, :func:`next_pow2`, :func:`sm_count`: grid
+  arithmetic and device facts for launchers that run per call.
+- :func:`launch`: our kernels' launch path (below).
+
+Imports nothing of ours and needs neither a GPU nor Triton to import (Triton is imported on first
+use), so modules with a PyTorch fallback import it on machines without Triton.
+
+Launching: once compiled, our Triton kernels are launched through their compiled handle.
 
 ``kernel[grid](*args, **meta)`` (``JITFunction.run``) binds every argument by name, specialises
 each one, builds a cache key, asks the driver for the current device and stream, then launches.
-On the H200 that costs 19.5 us for a one-pointer kernel and 42 us with the ~30 constexpr keyword
-arguments our GEMM and quantise kernels pass; the launch through the ``CompiledKernel`` that the
-first call returned takes 8.5-10.5 us (``benchmarks/bench_host.py``, ninth device session).  The
-compiled network calls our kernels from Python at run time (each opaque op's body), about 44
-launches per micro-batch for the record and 136 for the candidate, so this is host time the GPU
-waits for wherever a step is host-bound.
+That costs several times what a launch through the ``CompiledKernel`` the first call returned
+costs (``benchmarks/bench_host.py`` measures both), and the compiled network calls our kernels
+from Python at run time (each opaque op's body) dozens of times per micro-batch, so this is host
+time the GPU waits for wherever a step is host-bound.
 
 :func:`launch` keeps, per kernel and argument specialisation, the ``CompiledKernel`` and the
 trailing constexpr/default values in signature order, and launches through its ``run``.  The key
@@ -18,8 +26,8 @@ the keyword values and the device: a superset of what Triton keys its cache on, 
 maps to a kernel compiled for other arguments.
 
 Registered Triton launch hooks are called as ``JITFunction.run`` calls them.  (Triton 3.6 installs
-empty ``HookChain``s as its default hooks; the ninth device session's first version took them for
-registered hooks, fell back to the plain path and so never took the fast path.)  The plain path
+empty ``HookChain``s as its default hooks; taking those for registered hooks would send every
+launch down the plain path.)  The plain path
 (``kernel[grid](...)``) is taken for a callable grid, while Dynamo traces (it traces
 ``kernel[grid]`` itself), in the CPU interpreter, with another Triton version than the one this
 was written against (3.6), and whenever :func:`set_enabled` turned the cache off
@@ -33,7 +41,60 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["launch", "set_enabled", "enabled", "plain_launches", "clear", "cached_kernels", "stats", "off_reason"]
+__all__ = ["interpreting", "triton_usable", "cdiv", "next_pow2", "sm_count",
+           "launch", "set_enabled", "enabled", "plain_launches", "clear", "cached_kernels", "stats", "off_reason"]
+
+import functools
+
+_INTERPRETED: bool | None = None  # the probe's answer (see interpreting()), asked once
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1`` when
+    ``triton.jit`` decorated them; Triton decides at decoration).  Answered once, from a probe
+    kernel decorated here on the first call, as launchers ask per launch; False without Triton."""
+    global _INTERPRETED
+    if _INTERPRETED is None:
+        try:
+            import triton
+            from triton.runtime.interpreter import InterpretedFunction
+        except ImportError:
+            _INTERPRETED = False
+        else:
+            @triton.jit
+            def _probe(x_ptr):
+                pass
+
+            _INTERPRETED = isinstance(_probe, InterpretedFunction)
+    return _INTERPRETED
+
+
+def triton_usable(t: torch.Tensor) -> bool:
+    """Whether a Triton kernel can run on ``t``'s device here (CUDA, or CPU under the interpreter)."""
+    return t.is_cuda or (t.device.type == "cpu" and interpreting())
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code (``triton.cdiv`` is a constexpr function, slow to call from
+    Python; our launchers compute grids per launch)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1); ``triton.next_power_of_2`` for host code."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, asked once per device (the kernel launchers
+    that size persistent grids by it run hundreds of times a step)."""
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
 
 _ENABLED = True
 _CACHE: dict[tuple, tuple[Any, tuple]] = {}
@@ -101,8 +162,6 @@ def _api() -> tuple:
             from triton.backends.compiler import BaseBackend
             from triton.compiler.compiler import CompiledKernel
             from triton.runtime.jit import native_specialize_impl
-
-            from speedrun.kernels.fp8_cache import interpreting
 
             if not triton.__version__.startswith("3.6"):
                 _OFF_REASON = f"Triton {triton.__version__} (written against 3.6)"

@@ -10,7 +10,7 @@ and mark phases with ``echo "NAME $(date +%s)" >> phases.txt`` when each starts 
 where the next starts; the last at the log's end).  Samples drawing less than ``--busy-w`` watts
 (an idle or host-bound GPU, compiling, loading) are counted but left out of the medians.
 
-Usage:  python benchmarks/gpu_clocks.py clocks.csv [--phases phases.txt] [--busy-w 300] [--json OUT]
+Usage:  python tools/gpu_clocks.py clocks.csv [--phases phases.txt] [--busy-w 300] [--json OUT]
 """
 
 from __future__ import annotations

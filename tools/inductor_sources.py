@@ -7,7 +7,7 @@ script reads ``profile.json``, takes the ``--top`` Inductor kernels by time, fin
 ``OUT/<name>.py``.  Run it on the GPU machine after the profile, in the same process environment
 (``TORCHINDUCTOR_CACHE_DIR``), e.g.::
 
-    python benchmarks/inductor_sources.py /tmp/prof_record/profile.json --out "$OUT/inductor" --top 8
+    python tools/inductor_sources.py /tmp/prof_record/profile.json --out "$OUT/inductor" --top 8
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, doctor, benchmarks and a short GPU training, results under $OUT.
-# Usage (on the GPU machine, repo root):  bash benchmarks/device_run.sh [parts...]
+# Usage (on the GPU machine, repo root):  bash tools/device_run.sh [parts...]
 # parts: tests doctor attention kernels train record profile ncu abloss recordrun candrun fullrun
 # (default: the first five).
 # Webmix shards (.xz) are read from .carry/ when present.  BUDGET_S (default 570) bounds the whole
@@ -18,7 +18,7 @@ left() { local r=$(( DEADLINE - $(date +%s) - 5 )); [ "$r" -lt "$1" ] && echo $(
 # three stages + 35 extension steps, so each has >= 30 timed steps after the first few), full
 # 10,485,760-token validation, log into $OUT.  SHORT_STEPS / SHORT_EXT (default 140 / 35) change
 # the schedule, e.g. 47 / 2 to time the same steps as `upstream_f411b3d.sh --scheduled 45
-# --extension 2` (then: python3 benchmarks/upstream_step_times.py $OUT/record_short_log.txt --scheduled 45).
+# --extension 2` (then: python3 tools/upstream_step_times.py $OUT/record_short_log.txt --scheduled 45).
 # SHORT_SET: extra overrides, space-separated (e.g. "model.mlp_input_quant=graph").
 short_run() {
   local steps=${SHORT_STEPS:-140} ext=${SHORT_EXT:-35} kv kvs sets=()
@@ -39,7 +39,7 @@ short_run() {
 vs_upstream() {
   local uplog; uplog=$(ls -t "${UP_DIR:-/tmp/up}"/logs/*.txt 2>/dev/null | head -1)
   [ -n "$uplog" ] && [ -e "$1" ] || return 0
-  python3 benchmarks/upstream_step_times.py "$uplog" --config "${UP_DIR:-/tmp/up}/bench_config.json" \
+  python3 tools/upstream_step_times.py "$uplog" --config "${UP_DIR:-/tmp/up}/bench_config.json" \
     --ours "$1" 2>&1 | grep -A"$2" "^ours "
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
@@ -125,7 +125,7 @@ for part in $parts; do
         cp "/tmp/prof_$arm/profile.json" "$OUT/profile_${arm}_stage${PROFILE_STAGE:-2}.json" 2>/dev/null
         # the generated source of the slowest Inductor kernels, to read why they are slow (one
         # file: the device tool brings back only a few files per folder)
-        python3 benchmarks/inductor_sources.py "/tmp/prof_$arm/profile.json" --top "${INDUCTOR_TOP:-8}" \
+        python3 tools/inductor_sources.py "/tmp/prof_$arm/profile.json" --top "${INDUCTOR_TOP:-8}" \
           --out "/tmp/inductor_$arm" 2>&1 | tail -12
         cat /tmp/inductor_"$arm"/*.py > "$OUT/inductor_$arm.txt" 2>/dev/null
       done ;;

@@ -21,11 +21,11 @@ interleaved).  Our sample is one step timed alone (``arm``) or the mean of K cha
 ``arm@K`` resembles.  The bench steps a freshly initialised model, upstream's log a model
 trained up to that step (tensor-core power depends on the operands, and at the H200's power
 limit so does the clock): ``--ours LOG``, our ``speedrun train`` log of the same schedule
-(``SHORT_STEPS=47 SHORT_EXT=2 bash benchmarks/device_run.sh recordrun`` against
+(``SHORT_STEPS=47 SHORT_EXT=2 bash tools/device_run.sh recordrun`` against
 ``upstream_f411b3d.sh --scheduled 45 --extension 2``), compares the same steps of both, stage by
 stage, with the same stage starts and skip.
 
-Usage:  python benchmarks/upstream_step_times.py LOG [--stages 0,35,70,105 | --scheduled 105 |
+Usage:  python tools/upstream_step_times.py LOG [--stages 0,35,70,105 | --scheduled 105 |
         --config bench_config.json] [--skip 2] [--json OUT.json] [--ours BENCH.json | --ours OUR_LOG]
 """
 

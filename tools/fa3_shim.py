@@ -2,7 +2,7 @@
 
 Upstream (KellerJordan/modded-nanogpt) calls FlashAttention-3 through
 ``get_kernel('kernels-community/flash-attn3').flash_attn_interface.flash_attn_varlen_func``.
-Our benchmark machine has no FA3 and no network, so ``benchmarks/upstream_f411b3d.py`` copies
+Our benchmark machine has no FA3 and no network, so ``tools/upstream_f411b3d.py`` copies
 this module next to a patched upstream ``train_gpt.py`` and points that name here.  The call is
 routed to torch's built-in varlen FlashAttention (``torch.nn.attention.varlen.varlen_attn``), the
 same backend our own ``speedrun.attention.varlen`` uses, so a per-step comparison measures the two

@@ -24,14 +24,14 @@ Patches (in train_gpt.py, plus one in triton_kernels.py; dc_triton_kernels.py is
 * ``nvidia-smi`` missing no longer kills the run (it is only logged);
 * optional (``--profile START:COUNT``): torch.profiler around those optimizer steps, every CUDA
   kernel's calls and time written to ``upstream_kernels.json`` (compare with our own profile by
-  ``benchmarks/compare_kernels.py``); with ``--profile-device-only`` the profiler records CUDA
+  ``tools/compare_kernels.py``); with ``--profile-device-only`` the profiler records CUDA
   activity alone (as ``speedrun profile --device-only``: little host cost, so busy and idle time
   are close to an unprofiled step's) and the file also gets the GPU timeline (span, busy, idle
   gaps) computed by ``speedrun.evidence.profile.gpu_timeline``, imported from this repository;
 * triton_kernels.py: the FP8 MLP down projection's two scale tensors are copied into buffers of
   their own before ``torch._scaled_mm``: upstream passes views into per-layer scale buffers
   (``scales[i:i+1]``), which are not 16-byte aligned for most layers, and torch 2.11's cuBLASLt
-  refuses those with CUBLAS_STATUS_NOT_SUPPORTED (docs/perf-notes.md; our own FP8 cache keeps one
+  refuses those with CUBLAS_STATUS_NOT_SUPPORTED (our own FP8 cache keeps one
   16-byte slot per scale for the same reason).  The copy is a concatenation, not ``.clone()``,
   which Inductor elides (:func:`aligned_copy`).  Cost: two tiny kernels per layer.
 
@@ -45,7 +45,7 @@ GPU command: one ``run`` call with ``carry=[".carry"]``, the repo tree as the cw
 holding the webmix ``webmix_{train,val}_000000.bin.xz`` shards and ``.carry/upstream/`` the three
 upstream files plus ``tiktoken_cache/``::
 
-    bash benchmarks/upstream_f411b3d.sh            # extra arguments go to this patcher
+    bash tools/upstream_f411b3d.sh            # extra arguments go to this patcher
 
 It decompresses the shards to /tmp/webmix, patches into /tmp/up, starts upstream there in its own
 session and waits up to WAIT_S=540 s; if compilation made it slower than that, the same command
@@ -54,18 +54,18 @@ in $OUT: upstream_log.txt (upstream's own log, ``logs/<uuid>.txt`` in its workin
 gets only the console lines), upstream_stdout.txt, upstream_patch.txt, bench_config.json and
 upstream_steps.json.  Its core, inline::
 
-    R=$PWD; python3 benchmarks/upstream_f411b3d.py --src .carry/upstream --out /tmp/up \
+    R=$PWD; python3 tools/upstream_f411b3d.py --src .carry/upstream --out /tmp/up \
         --train-files '/tmp/webmix/webmix_train_*.bin' --val-files '/tmp/webmix/webmix_val_*.bin' &&
     (cd /tmp/up && TIKTOKEN_CACHE_DIR=$R/.carry/upstream/tiktoken_cache timeout -k 15 540 \
         torchrun --standalone --nproc_per_node=1 train_gpt.py 2>&1 | tee $OUT/upstream_stdout.txt)
     cp /tmp/up/logs/*.txt $OUT/upstream_log.txt
-    python3 benchmarks/upstream_step_times.py $OUT/upstream_log.txt --config /tmp/up/bench_config.json
+    python3 tools/upstream_step_times.py $OUT/upstream_log.txt --config /tmp/up/bench_config.json
 
 ``upstream_step_times.py`` prints the median ms per optimizer step of each stage.  Expect minutes
 of torch.compile and kernel warmup ("Compiling model and warming up kernels", upstream's README
 says ~7 on first execution) before the first timed step.
 
-Usage:  python benchmarks/upstream_f411b3d.py --src DIR --out OUTDIR [--scheduled 105]
+Usage:  python tools/upstream_f411b3d.py --src DIR --out OUTDIR [--scheduled 105]
         [--extension 30] [--val-tokens 2097152] [--val-every 0] [--train-files GLOB]
         [--val-files GLOB] [--max-docs 256 | --max-docs 16384:128,32768:192,49152:256]
         [--profile START:COUNT [--profile-device-only]]
@@ -243,7 +243,7 @@ MARKS_FILE = "stage_marks.txt"
 def stage_marks_patch(opts: BenchOptions) -> Patch:
     """Rank 0 appends ``upstream_NAME EPOCH_SECONDS`` to ``stage_marks.txt`` when each stage, the
     extension and the final validation begin (host time, before the step's work is queued): the
-    phases ``benchmarks/gpu_clocks.py`` splits a clock log by."""
+    phases ``tools/gpu_clocks.py`` splits a clock log by."""
     names = ("stage1", "stage2", "stage3", "extension")
     marks = {start: f"upstream_{name}" for start, name in zip(opts.stage_starts(), names)}
     marks[opts.scheduled + opts.extension] = "upstream_validation"
@@ -251,7 +251,7 @@ def stage_marks_patch(opts: BenchOptions) -> Patch:
     code = (f"    if master_process and step in {marks!r}:  {TAG} wall-clock marks for gpu_clocks.py\n"
             f"        with open({MARKS_FILE!r}, 'a') as _speedrun_f:\n"
             f"            _speedrun_f.write({marks!r}[step] + ' %.3f\\n' % time.time())\n")
-    return Patch("stage-marks", anchor, anchor + code, "SM clocks per stage (benchmarks/gpu_clocks.py)")
+    return Patch("stage-marks", anchor, anchor + code, "SM clocks per stage (tools/gpu_clocks.py)")
 
 
 PROFILE_FILE = "upstream_kernels.json"
@@ -261,7 +261,7 @@ def profile_patches(start: int, count: int, device_only: bool = False, target: U
     """torch.profiler around optimizer steps ``start .. start+count-1``; rank 0 writes every CUDA
     kernel's calls and total µs to ``upstream_kernels.json`` in the working directory, in the
     format of the ``kernels`` table of ``speedrun profile``'s profile.json (so
-    ``benchmarks/compare_kernels.py`` can put the two side by side), built by the same function
+    ``tools/compare_kernels.py`` can put the two side by side), built by the same function
     (``speedrun.evidence.profile.kernel_table``, imported from this repository).  ``device_only``:
     CUDA activity alone, and the file also gets ``timeline`` (``gpu_timeline``: span, busy and idle
     µs over the profiled steps).  Those steps' logged times include the profiler's overhead."""

@@ -1,4 +1,4 @@
-"""Are two runs' final weights the same?  ``python benchmarks/compare_runs.py RUN_A RUN_B``
+"""Are two runs' final weights the same?  ``python tools/compare_runs.py RUN_A RUN_B``
 
 Compares the newest checkpoints of two run folders tensor by tensor (relative Frobenius error)
 and their validation losses (:mod:`speedrun.evidence.equivalence`); exit status 0 when every

@@ -15,13 +15,12 @@ scales ready, as from the second training step on), and counts inside each call:
 ``fp8_ops.scaled_mm`` counts as one launch (its CPU emulation is ~6 eager ops).
 
 It prints per opaque kernel: calls per micro-batch and launches per call, and an estimate of the
-host time per micro-batch from the per-call costs ``benchmarks/bench_host.py`` measured on the H200
-(sixth device session: Triton launch 22-54 us, eager op 13.5 us, allocation 7 us, opaque round trip
-16-24 us measured on the CPU after the low-level op change).  Runs on the CPU (Triton interpreter,
+host time per micro-batch from per-call costs ``benchmarks/bench_host.py`` measured on the H200
+(:data:`HOST_US`; the opaque round trip measured on the CPU).  Runs on the CPU (Triton interpreter,
 ``TRITON_INTERPRET=1`` set here) or on a GPU; device-dependent branches (TMA descriptors, cuBLAS
 ``_scaled_mm``) can differ between the two, so the printout names the device.
 
-Usage: ``python benchmarks/launch_inventory.py [--arms record candidate] [--tokens 256]``;
+Usage: ``python tools/launch_inventory.py [--arms record candidate] [--tokens 256]``;
 writes ``$OUT/launch_inventory.json``.
 """
 
@@ -41,7 +40,8 @@ if __name__ == "__main__" and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-# host microseconds per call (bench_host.py, H200, sixth session; opaque: CPU after the change)
+# host microseconds per call, (low, high): benchmarks/bench_host.py's measurements on the H200
+# (opaque: on the CPU); inputs of the estimate, refresh them from a new bench_host.py run
 HOST_US = {"triton": (22.4, 53.7), "eager": (13.5, 13.5), "alloc": (7.0, 7.0), "opaque": (16.0, 24.0)}
 
 
@@ -116,7 +116,7 @@ def counting(per_kernel: dict):
     Everything patched is restored on exit."""
     import triton.runtime.jit as jit
 
-    from speedrun.kernels import fp8_ops, launch, opaque
+    from speedrun.kernels import _triton as launch, fp8_ops, opaque
 
     undo = []
 
@@ -161,8 +161,8 @@ def inventory(arm: str, tokens: int, device: torch.device, overrides=()) -> dict
     apply_overrides(cfg, list(overrides))
     torch.manual_seed(0)
     model = build_model(cfg.model).to(device)
-    if device.type == "cuda" and hasattr(model, "cast_to_record_dtypes"):
-        model.cast_to_record_dtypes(torch.bfloat16)
+    if device.type == "cuda":
+        model.cast_for_training(torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     V = cfg.model.vocab_size
     batch = SimpleNamespace(
@@ -172,13 +172,11 @@ def inventory(arm: str, tokens: int, device: torch.device, overrides=()) -> dict
         max_seqlen=tokens, bigram=None)
     args = ForwardArgs(window_short=128, window_long=256, mtp_weights=(1.0, 0.5), prefix_weight=0.0)
     per_kernel: dict = {}
-    if hasattr(model, "refresh_fp8_weights"):
-        model.refresh_fp8_weights()  # as training does once per optimizer update
+    model.after_optimizer_step()  # FP8 weight copies, as training refreshes them once per update
     # One step first, as in training from step 1 on: it registers the kernels and ends an FP8 step,
     # so the delayed scales are ready (before that each call calibrates with an extra GEMM).
     model.loss(batch, args).backward()
-    if hasattr(model, "end_fp8_step"):
-        model.end_fp8_step()
+    model.end_step()
     model.zero_grad(set_to_none=True)
     with counting(per_kernel), torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         loss = model.loss(batch, args)

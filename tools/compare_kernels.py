@@ -9,7 +9,7 @@ largest difference, and writes the same as JSON with ``--json``.  ``--family NAM
 first word, e.g. ``torch``) lists every kernel of that family instead, largest first: where a
 family's difference comes from.
 
-Usage: python benchmarks/compare_kernels.py OURS.json THEIRS.json [--top 25] [--json OUT.json] [--family torch]
+Usage: python tools/compare_kernels.py OURS.json THEIRS.json [--top 25] [--json OUT.json] [--family torch]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 # Run upstream modded-nanogpt f411b3d (patched by upstream_f411b3d.py) on one GPU for a short
 # schedule, or keep waiting for a run this script started earlier; results go to $OUT.
 #
-# On the GPU machine, repo root as cwd, `.carry` carried:   bash benchmarks/upstream_f411b3d.sh [patcher args]
+# On the GPU machine, repo root as cwd, `.carry` carried:   bash tools/upstream_f411b3d.sh [patcher args]
 #   .carry/webmix_{train,val}_000000.bin.xz   webmix shards (decompressed to $DATA_DIR)
 #   .carry/upstream/{train_gpt,triton_kernels,dc_triton_kernels}.py and .carry/upstream/tiktoken_cache/
 # The training runs in its own session (setsid), so it survives the end of the call: if it is not
@@ -56,18 +56,18 @@ collect() {
   cp "$UP/bench_config.json" "$OUT/" 2>/dev/null
   cp "$UP/upstream_kernels.json" "$OUT/" 2>/dev/null  # with --profile START:COUNT
   if [ -e "$UP/upstream_kernels.json" ]; then  # the source of its slowest Inductor kernels (same cache)
-    python3 "$R/benchmarks/inductor_sources.py" "$UP/upstream_kernels.json" --top "${INDUCTOR_TOP:-12}" \
+    python3 "$R/tools/inductor_sources.py" "$UP/upstream_kernels.json" --top "${INDUCTOR_TOP:-12}" \
       --out /tmp/inductor_upstream > /dev/null 2>&1 && cat /tmp/inductor_upstream/*.py > "$OUT/inductor_upstream.txt"
   fi
   if [ -s "$UP/stage_marks.txt" ] && [ -s "$UP/clocks.csv" ]; then  # SM clocks per stage, busy samples
     cp "$UP/clocks.csv" "$OUT/upstream_clocks.csv"; cp "$UP/stage_marks.txt" "$OUT/upstream_stage_marks.txt"
-    python3 "$R/benchmarks/gpu_clocks.py" "$UP/clocks.csv" --phases "$UP/stage_marks.txt"
+    python3 "$R/tools/gpu_clocks.py" "$UP/clocks.csv" --phases "$UP/stage_marks.txt"
   fi
   local logf
   logf=$(ls -t "$UP"/logs/*.txt 2>/dev/null | head -1)
   [ -n "$logf" ] || { log "no upstream log yet"; tail -20 "$UP/stdout.txt" 2>/dev/null; return; }
   cp "$logf" "$OUT/upstream_log.txt"
-  python3 "$R/benchmarks/upstream_step_times.py" "$OUT/upstream_log.txt" --config "$UP/bench_config.json" \
+  python3 "$R/tools/upstream_step_times.py" "$OUT/upstream_log.txt" --config "$UP/bench_config.json" \
     --json "$OUT/upstream_steps.json"
 }
 

@@ -1,15 +1,14 @@
 """Where a training step's host time goes, by Python function (cProfile), per arm.
 
 ``speedrun bench step --host-steps`` says how long the host takes to issue each phase of a step
-(the fifth ... eleventh device sessions: ~20 ms of host time per micro-batch forward at every
-stage, the GPU waiting for it at stage 1).  This script says which Python functions that time is
+(enough host time per micro-batch forward that the GPU waits for it at stage 1).  This script says which Python functions that time is
 spent in: it builds each arm the way ``bench step`` does, runs untimed warmup steps (compilation),
 then profiles a few steps with cProfile (its own overhead inflates pure-Python frames, so compare
 functions with each other, not with the unprofiled step time) and prints the functions with the
 most own time and the most cumulative time, one table per arm.
 
 Usage (GPU machine, repo root):
-  python benchmarks/host_profile.py --arm record --arm candidate --stage 0 \
+  python tools/host_profile.py --arm record --arm candidate --stage 0 \
       --data '/tmp/webmix/webmix_train_*.bin' --set train.max_docs=256 [--out DIR]
 Writes ``host_profile_<arm>.txt`` into ``--out`` (default ``$OUT`` or ``bench_out``).
 """

@@ -9,7 +9,7 @@
 #   compare  the same-node A/B: speedrun compare under torchrun, both arms x SEEDS seeds, the full
 #            schedules (record 1285, candidate 1315 steps), checkpoints every CKPT_EVERY steps so the
 #            same command on the still-warm machine resumes a run the call's time limit cut.
-# Usage (repo root, .carry/ carried with the webmix shards):  bash benchmarks/multigpu_run.sh [parts...]
+# Usage (repo root, .carry/ carried with the webmix shards):  bash tools/multigpu_run.sh [parts...]
 # Env: NPROC (default: every GPU), ARMS (default "base=record cand=candidate"), STAGES (default 2),
 #      SEEDS (4), EQUIV_STEPS (5), EQUIV_ACCUM (8: micro-batches per step on 1 rank, split over N), EQUIV_TOL (1e-2; EQUIV_VAL_TOL 1e-3), CKPT_EVERY (250), REC (records folder,
 #      /tmp/mg/records), BUDGET_S (570), DEVICE (cuda; "cpu" runs a gloo smoke test: with
@@ -87,9 +87,9 @@ for part in $parts; do
             --set train.max_docs=256 --set train.seed="${EQUIV_SEED:-7}" $(extra_args) "${DATA[@]}" 2>&1 | tail -3
         done
         one=$(run_dir "$WORK/eq-$name-one"); again=$(run_dir "$WORK/eq-$name-one_again"); many=$(run_dir "$WORK/eq-$name-n$NPROC")
-        python3 benchmarks/compare_runs.py "$one" "$again" --tolerance "${EQUIV_TOL:-1e-2}" --val-tolerance "${EQUIV_VAL_TOL:-1e-3}" \
+        python3 tools/compare_runs.py "$one" "$again" --tolerance "${EQUIV_TOL:-1e-2}" --val-tolerance "${EQUIV_VAL_TOL:-1e-3}" \
           --json "$OUT/equiv_${name}_noise.json" | tee "$OUT/equiv_${name}_noise.txt"
-        python3 benchmarks/compare_runs.py "$one" "$many" --tolerance "${EQUIV_TOL:-1e-2}" --val-tolerance "${EQUIV_VAL_TOL:-1e-3}" \
+        python3 tools/compare_runs.py "$one" "$many" --tolerance "${EQUIV_TOL:-1e-2}" --val-tolerance "${EQUIV_VAL_TOL:-1e-3}" \
           --json "$OUT/equiv_${name}_n$NPROC.json" | tee "$OUT/equiv_${name}_n$NPROC.txt"
         cp "$many/log.txt" "$OUT/equiv_${name}_n${NPROC}_log.txt" 2>/dev/null
       done ;;
