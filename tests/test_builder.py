@@ -54,7 +54,7 @@ def test_build_run_checks_the_kernel_options_and_hands_them_to_the_fused_kernels
     assert run.kernel_options.ce_sigmoid == "tanh" and run.kernel_options.mlp_gemm_route == "split"
     assert run.model.ce_impl.options is run.kernel_options and run.model.mlp_impl.options is run.kernel_options
     cfg.train.ce_grad_layout = "both"
-    with pytest.raises(ConfigError, match="train.ce_grad_layout must be one of transpose, dual"):
+    with pytest.raises(ConfigError, match="train.ce_grad_layout.*one of transpose, dual"):
         build_run(cfg, distributed.DistInfo())
 
 

@@ -69,7 +69,7 @@ def test_optimizer_imports_and_runs_its_references_without_triton(tmp_path):
 # evidence -> cli; kernels sit just above config and errors and import nothing else of ours.
 LAYERS = {
     "errors": 0, "config": 1,
-    "kernels": 2, "compiling": 2, "distributed": 2,
+    "kernels": 2, "compiling": 2, "distributed": 2, "config_check": 2,
     "data": 3, "attention": 3,
     "model": 4, "optim": 4,
     "train": 5,
