@@ -1,4 +1,4 @@
-"""CPU tests of ``benchmarks/upstream_pr344.py``: the f411b3d patcher told what differs in PR #344.
+"""CPU tests of ``tools/upstream_pr344.py``: the f411b3d patcher told what differs in PR #344.
 
 Pure tests of the patch logic on small strings always run; ``SPEEDRUN_PR344_SRC`` (a folder with
 #344's ``train_gpt.py``, ``triton_kernels.py`` and ``dc_triton_kernels.py`` at c4c209d) also
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[1] / "tools"
 
 
 def _load(name: str):

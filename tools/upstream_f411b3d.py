@@ -116,7 +116,7 @@ class Patch:
 
 @dataclass(frozen=True)
 class Upstream:
-    """What differs between the upstream commits this patcher handles (``benchmarks/upstream_pr344.py``
+    """What differs between the upstream commits this patcher handles (``tools/upstream_pr344.py``
     describes PR #344's; the rest of the patches are common).
 
     ``extension_anchor``: the ``num_extension_iterations`` line; ``step_anchor``: text at the end

@@ -11,12 +11,12 @@
 # Writes to $OUT: upstream_patch.txt, upstream_stdout.txt, upstream_log.txt (logs/<uuid>.txt),
 # bench_config.json, upstream_steps.json (median ms per optimizer step per stage), and
 # upstream_clocks.csv + upstream_stage_marks.txt (SM clock and power per stage: gpu_clocks.py).
-# The same script runs upstream PR #344 (benchmarks/upstream_pr344.sh sets the three variables below).
+# The same script runs upstream PR #344 (tools/upstream_pr344.sh sets the three variables below).
 set -u
 R=$(pwd)
 OUT=${OUT:-$R/bench_out}
 UP=${UP_DIR:-/tmp/up}
-PATCHER=${PATCHER:-$R/benchmarks/upstream_f411b3d.py}   # which patcher (which upstream commit)
+PATCHER=${PATCHER:-$R/tools/upstream_f411b3d.py}   # which patcher (which upstream commit)
 UP_SRC=${UP_SRC:-$R/.carry/upstream}                    # that commit's three files
 TIKTOKEN_DIR=${TIKTOKEN_DIR:-$R/.carry/upstream/tiktoken_cache}
 DATA=${DATA_DIR:-/tmp/webmix}

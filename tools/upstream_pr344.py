@@ -6,7 +6,7 @@ own code run beside our candidate on the same GPU with the same short schedule, 
 per-step times can be compared stage by stage.  It holds none of upstream's code: it reads a user's
 copy of #344's three files (``git show c4c209d:train_gpt.py`` etc. in a clone of
 KellerJordan/modded-nanogpt that fetched ``refs/pull/344/head``) and applies the patches of
-``benchmarks/upstream_f411b3d.py`` (its docstring lists and explains each; the same code runs here,
+``tools/upstream_f411b3d.py`` (its docstring lists and explains each; the same code runs here,
 told what differs in #344 by :data:`PR344`):
 
 * every f411b3d patch, unchanged: FA3 -> ``fa3_shim`` (torch ``varlen_attn``: #344 pads its 96-wide
@@ -32,9 +32,9 @@ Not patched: ``QK_HEAD_DIM`` (96), ``TRAIN_SEED`` (unset: random seed, as upstre
 GPU command (one ``run`` call, ``carry=[".carry"]``; ``.carry/pr344/`` holds #344's three files,
 ``.carry/upstream/tiktoken_cache/`` and the webmix shards as for f411b3d)::
 
-    bash benchmarks/upstream_pr344.sh --scheduled 45 --extension 2 --val-tokens 2097152
+    bash tools/upstream_pr344.sh --scheduled 45 --extension 2 --val-tokens 2097152
 
-Usage:  python benchmarks/upstream_pr344.py --src DIR --out OUTDIR [the options of upstream_f411b3d.py]
+Usage:  python tools/upstream_pr344.py --src DIR --out OUTDIR [the options of upstream_f411b3d.py]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from pathlib import Path
 
 
 def _load_base():
-    """``benchmarks/upstream_f411b3d.py`` as a module (benchmarks/ is not a package)."""
+    """``tools/upstream_f411b3d.py`` as a module (tools/ is not a package)."""
     name = "_speedrun_upstream_f411b3d"
     if name in sys.modules:
         return sys.modules[name]
