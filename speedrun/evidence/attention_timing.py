@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from speedrun.evidence.fingerprint import time_cuda_ms
+
 STAGE3_TOKENS = 49152
 STAGE3_SEQ_CAP = 2048
 STAGE3_SLOTS = 129  # the loader's max_docs (128) + 1 at 49,152 tokens per rank
@@ -149,17 +151,7 @@ def time_fwd_bwd(fn: Callable, case: Case, *, reps: int = 20, warmup: int = 5) -
         y = fn(case.q, case.k, case.v, case.cu, case.max_seqlen, window=case.window, scale=case.scale)
         y.backward(case.dy)
 
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return times
+    return time_cuda_ms(step, reps, warmup)
 
 
 def doctor_timings(names: list[str], device: str | torch.device = "cuda", reps: int = 10) -> dict[str, str]:

@@ -39,7 +39,7 @@ def _num(s: str) -> float | None:
         return None
 
 
-def _time_cuda_ms(fn, iters: int, warmup: int) -> list[float]:
+def time_cuda_ms(fn, iters: int, warmup: int) -> list[float]:
     """Milliseconds per call of ``fn`` for ``iters`` calls, each timed by its own CUDA events."""
     for _ in range(warmup):
         fn()
@@ -65,7 +65,7 @@ def measure_matmul_tflops(dtype: torch.dtype = torch.bfloat16, n: int = 8192, it
     a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    times = _time_cuda_ms(lambda: torch.mm(a, b, out=out), iters, warmup)
+    times = time_cuda_ms(lambda: torch.mm(a, b, out=out), iters, warmup)
     ms = sorted(times)[len(times) // 2]
     return 2.0 * n**3 / (ms * 1e-3) / 1e12
 
@@ -78,7 +78,7 @@ def measure_copy_tbps(nbytes: int = 2**31, iters: int = 20, warmup: int = 3,
         raise RuntimeError("measure_copy_tbps needs a CUDA GPU")
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256)
     dst = torch.empty_like(src)
-    times = _time_cuda_ms(lambda: dst.copy_(src), iters, warmup)
+    times = time_cuda_ms(lambda: dst.copy_(src), iters, warmup)
     ms = sorted(times)[len(times) // 2]
     return 2.0 * nbytes / (ms * 1e-3) / 1e12
 
