@@ -491,13 +491,15 @@ cudnn_varlen_attention.pads_qk_to_v = False
 def cudnn_problem(device: torch.device) -> str | None:
     """Why the cudnn backend cannot run on ``device`` (None if it can), including a tiny forward
     and backward checked against the reference backend (run once per device and process)."""
+    on_cuda = device.type == "cuda" and torch.cuda.is_available()
     try:
         cudnn = import_cudnn()
     except ImportError:
-        return f"the nvidia-cudnn-frontend package is not installed ({INSTALL_HINT})"
+        return (f"the nvidia-cudnn-frontend package is not installed ({INSTALL_HINT})"
+                + ("" if on_cuda else "; and cuDNN attention runs on CUDA only"))
     except Exception as e:  # noqa: BLE001 - a broken install is reported, not raised
         return f"import cudnn failed: {type(e).__name__}: {e}"[:300]
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if not on_cuda:
         return "cuDNN attention runs on CUDA only"
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.get_device_capability(index) < (9, 0):
