@@ -69,6 +69,7 @@ def test_two_rank_resume_equals_uninterrupted(tmp_path, builtin_cache):
     shutil.copytree(run, cut)
     for f in (cut / "checkpoints").glob("step_000005*"):
         f.unlink()  # as if killed between the checkpoints of steps 3 and 5
+    (cut / "summary.json").unlink()  # a killed run has no summary (with one it is finished)
     _run(["train", "--resume", str(cut), "--quiet"], tmp_path, env, nproc=2)
     got = torch.load(list_checkpoints(cut)[-1], weights_only=False)
     assert got["step"] == 5

@@ -372,10 +372,10 @@ def test_nan_loss_stops_with_the_step_and_the_last_good_checkpoint(tmp_path, mon
 def test_failed_start_removes_its_run_folder(tmp_path, monkeypatch):
     from speedrun.train import loop
 
-    def broken(cfg):
-        raise RuntimeError("model construction failed")
+    def broken(*args):  # fails after the run folder exists, before the first step
+        raise RuntimeError("writing the log's header failed")
 
-    monkeypatch.setattr(loop, "build_model", broken)
+    monkeypatch.setattr(loop, "_log_header", broken)
     with pytest.raises(RuntimeError):
         loop.train(_core_cfg(tmp_path), console=False)
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
