@@ -369,18 +369,10 @@ def _assert_same_adam_weights(mine: torch.Tensor, ref: torch.Tensor, what: str) 
 
 
 def _synthetic_shards(tmp_path, n_shards=2, docs=400, seed=0):
-    """Shards of documents that start with BOS (50256), lengths 1..1500 (some above the caps)."""
-    from speedrun.data.shards import write_shard
+    """The golden fixtures' synthetic shards (the live test and the recorded one read the same)."""
+    from upstream_goldens import synthetic_shards
 
-    g = torch.Generator().manual_seed(seed)
-    paths = []
-    for i in range(n_shards):
-        lens = torch.randint(1, 400, (docs,), generator=g)
-        lens[torch.randperm(docs, generator=g)[: docs // 10]] += 1100
-        toks = torch.randint(0, 50000, (int(lens.sum()),), generator=g)
-        toks[torch.cumsum(lens, 0) - lens] = 50256
-        paths.append(write_shard(tmp_path / f"syn_train_{i:06d}.bin", toks.tolist()))
-    return paths
+    return synthetic_shards(tmp_path, n_shards=n_shards, docs=docs, seed=seed)
 
 
 def _edges(cu: torch.Tensor) -> list[int]:
