@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -129,10 +128,7 @@ def _state_shapes(opt: NorMuonAndAdam) -> dict:
             for lab, e in opt.entries.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from test_normuon import _free_port  # noqa: E402  (one helper for the gloo tests' ports)
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
