@@ -67,10 +67,11 @@ for part in $parts; do
       tail -25 "$OUT/gpu_tests.txt" ;;
     doctor)
       log doctor
-      timeout 240 python3 -m speedrun doctor 2>&1 | tail -30 | tee "$OUT/doctor.txt" ;;
+      timeout "$(left 240)" python3 -m speedrun doctor 2>&1 | tail -30 | tee "$OUT/doctor.txt" ;;
     attention)
       log "attention backends, stage-3 shapes"
-      timeout 300 python3 benchmarks/bench_attention.py --reps 5 2>&1 | tail -60 ;;
+      timeout "$(left 300)" python3 benchmarks/bench_attention.py --reps 5 \
+        ${SPEEDRUN_TEST_DATA:+--data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin"} 2>&1 | tail -60 ;;
     kernels)
       # BENCHES: names, each optionally with its arguments after a colon, comma-separated
       # (e.g. "bench_adam bench_cross_entropy:--sweep,--skip-eager")
