@@ -350,3 +350,22 @@ def test_importing_the_backend_does_not_import_the_frontend():
     code = "import sys, speedrun.attention.cudnn; print('cudnn' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_window_zero_is_the_diagonal_alone_and_matches_the_reference():
+    """Window 0 never reaches cuDNN: the output is V and only dV is non-zero, as the reference's."""
+    from speedrun.attention.reference import reference_attention
+
+    g = torch.Generator().manual_seed(3)
+    T, H = 40, 2
+    cu = torch.tensor([0, 7, 8, 40], dtype=torch.int32)
+    q, k, v = (torch.randn(T, H, d, generator=g) for d in (16, 16, 24))
+    dy = torch.randn(T, H, 24, generator=g)
+    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+    cb._DiagonalOnly.apply(*xs).backward(dy)
+    rs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*rs, cu, 33, window=0, scale=0.3)
+    ref.backward(dy)
+    torch.testing.assert_close(cb._DiagonalOnly.apply(q, k, v), ref)
+    for ours, theirs in zip(xs, rs):
+        torch.testing.assert_close(ours.grad, theirs.grad)

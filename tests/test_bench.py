@@ -1,6 +1,7 @@
 """speedrun bench step on the CPU: arm syntax, statistics, and two tiny arms end to end."""
 
 import json
+import math
 
 import numpy as np
 import torch
@@ -90,6 +91,18 @@ def test_bench_step_two_arms_table_and_json(tmp_path, capsys):
     assert r["ci_low"] <= r["ratio"] <= r["ci_high"]
     assert r["ratio"] == pytest.approx(cand["median_ms"] / base["median_ms"])
     assert base["peak_mib"] is None and "peak MiB" in text  # memory is measured on CUDA only
+
+
+def test_arms_report_every_step_loss_and_one_preset_trains_alike():
+    """Arms of one config start from the same weights and batches: equal losses, step by step; a
+    changed switch shows up in them."""
+    from speedrun.evidence import bench
+
+    res = bench.bench_step(parse_arms(["a=tiny", "b=tiny", "c=tiny:model.mlp_ratio=2"]), steps=20, warmup=1,
+                           common=SMALL)
+    a, b, c = (arm["losses"] for arm in res["arms"])
+    assert len(a) == len(b) == len(c) == 21 and all(math.isfinite(x) for x in a)
+    assert a == b and a[0] != c[0]
 
 
 def test_step_memory_accounting_with_a_stand_in_meter(monkeypatch):

@@ -455,6 +455,22 @@ class _CudnnAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+class _DiagonalOnly(torch.autograd.Function):
+    """Window 0: every query sees only its own key, so the softmax weight is exactly 1 and the
+    output is V itself (dQ = dK = 0, dV = dO).  cuDNN's band mask is not asked for this case: its
+    left bound would be 1, which it does not compute correctly."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.qk = (q.shape, q.dtype, k.shape, k.dtype)
+        return v.clone()
+
+    @staticmethod
+    def backward(ctx, do):
+        qs, qd, ks, kd = ctx.qk
+        return do.new_zeros(qs, dtype=qd), do.new_zeros(ks, dtype=kd), do
+
+
 def cudnn_varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -479,6 +495,9 @@ def cudnn_varlen_attention(
         q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
     elif k.dtype != q.dtype or v.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
+    if window is not None and int(window) == 0:
+        y = _DiagonalOnly.apply(q, k, v)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     y = _CudnnAttention.apply(q, k, v, cu, int(max_seqlen), -1 if window is None else int(window), float(scale))
     return y if y.dtype == out_dtype else y.to(out_dtype)

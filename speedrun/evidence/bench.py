@@ -75,6 +75,7 @@ class Session:
     host_steps: list = field(default_factory=list)  # speedrun.evidence.host.StepTrace per traced step
     syncs: list | None = None  # synchronising calls of one step (find_syncs), None when not scanned
     graphs: Any = None  # speedrun.train.graphs.StepGraphs with train.cuda_graphs, as train() runs
+    losses: list = field(default_factory=list)  # every step's loss (device scalars, read after timing)
 
     @property
     def optimizer(self):
@@ -90,6 +91,7 @@ class Session:
         loss = run_step(self.run_model, self.recipe, self.loader, step, self.cfg, self.info, self.dtype,
                         on_phase=on_phase, graphs=self.graphs)
         self.count += 1
+        self.losses.append(loss.detach())
         return loss
 
     def close(self) -> None:
@@ -424,6 +426,9 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
                 "tokens_per_s": st.batch_tokens / (d["median_ms"] / 1000.0),
                 **_memory_fields(s, info),
                 "times_ms": times[name],
+                # every step this arm ran, warmup first, in order: arms of one preset start from the
+                # same weights and batches, so their losses show whether a switch changed training
+                "losses": [float(x) for x in s.losses],
                 "config": cfg.to_dict(),
             }
             if c == chains[0]:  # the arm's host-side extras, once
