@@ -13,9 +13,9 @@ import torch
 
 from speedrun.config import apply_overrides, preset
 from speedrun.errors import ConfigError
+from speedrun.kernels.step_values import StepValues
 from speedrun.train.graphs import (
     STEPS_UNTIL_REPLAY,
-    StepValues,
     _relative_error,
     graphs_enabled,
     reachable_tensors,

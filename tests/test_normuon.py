@@ -325,14 +325,14 @@ def test_two_gloo_ranks_match_one_rank(tmp_path):
 def test_adam_tables_take_the_fused_kernel_when_triton_is_on(monkeypatch):
     """use_triton=True routes every Adam parameter through the one-pass kernel (interpreted here)
     and gives the reference path's values to a few fp32 ulps."""
-    import speedrun.optim.adam as adam  # the dispatcher (adam_update_auto_) calls the kernel from there
+    import speedrun.optim.adam as adam  # the dispatcher (adam_apply_auto_) calls the kernel from there
     from speedrun.kernels.fp8_cache import interpreting
 
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
     calls = []
-    real = adam.adam_update_fused_
-    monkeypatch.setattr(adam, "adam_update_fused_", lambda p, *a, **k: calls.append(p.shape) or real(p, *a, **k))
+    real = adam.adam_apply_fused_
+    monkeypatch.setattr(adam, "adam_apply_fused_", lambda p, *a, **k: calls.append(p.shape) or real(p, *a, **k))
     grads = [make_grads(0, s) for s in range(4)]
     finals = {}
     for use_triton in (False, True):

@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton use the re
     tl = None
     _HAVE_TRITON = False
 
-__all__ = ["adam_update_fused_", "fused_adam_supported"]
+__all__ = ["adam_scalars", "adam_update_fused_", "adam_apply_fused_", "fused_adam_supported"]
 
 _BLOCK = 1024  # elements per program: 8 fp32 loads of 4 per thread at 4 warps, enough in flight
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,9 +55,13 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _adam_update_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, one_minus_beta1, beta2, one_minus_beta2,
-                            eps, step_size, decay, BLOCK: tl.constexpr, EXACT_ROUNDING: tl.constexpr):
+                            eps, step_size, decay, BLOCK: tl.constexpr, EXACT_ROUNDING: tl.constexpr,
+                            SCALARS_IN_MEMORY: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
+        if SCALARS_IN_MEMORY:  # fp32 device scalars (a captured step reads this step's values)
+            step_size = tl.load(step_size)
+            decay = tl.load(decay)
         p_raw = tl.load(p_ptr + offs, mask=mask, other=0.0)
         p = p_raw.to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -99,6 +103,14 @@ def fused_adam_supported(p: Tensor, grad: Tensor) -> bool:
     return p.is_cuda != interpreting()
 
 
+def adam_scalars(step: int, *, lr: float, betas: tuple[float, float], weight_decay: float) -> tuple[float, float]:
+    """The two values of Adam step ``step`` (1-based) that change from step to step, computed on
+    the host in float64: the bias-corrected step size ``lr * sqrt(1 - beta2**t) / (1 - beta1**t)``
+    and the cautious decay's factor ``lr**2 * weight_decay``."""
+    beta1, beta2 = betas
+    return lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step), lr * lr * weight_decay
+
+
 @torch.no_grad()
 def adam_update_fused_(
     p: Tensor,
@@ -114,7 +126,18 @@ def adam_update_fused_(
     :func:`speedrun.optim.adam.adam_update_` (the reference): p contiguous fp32/bf16/fp16, grad
     contiguous of p's shape (any of those dtypes), state's ``exp_avg`` / ``exp_avg_sq``
     contiguous fp32 of p's shape; lr, eps and weight_decay plain floats."""
-    m, v = state["exp_avg"], state["exp_avg_sq"]
+    state["step"] += 1
+    step_size, decay = adam_scalars(state["step"], lr=lr, betas=betas, weight_decay=weight_decay)
+    return adam_apply_fused_(p, grad, state["exp_avg"], state["exp_avg_sq"], betas=betas, eps=eps,
+                             step_size=step_size, decay=decay)
+
+
+@torch.no_grad()
+def adam_apply_fused_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, *, betas: tuple[float, float], eps: float,
+                      step_size: float | Tensor, decay: float | Tensor) -> Tensor:
+    """The kernel behind :func:`adam_update_fused_`, with the step's scalars given (see
+    :func:`speedrun.optim.adam.adam_apply_`): floats, or 0-d fp32 tensors on p's device that the
+    kernel reads when it runs (so a CUDA graph of it takes each step's values)."""
     if p.shape != grad.shape or p.shape != m.shape or p.shape != v.shape:
         raise ValueError(f"adam_update_fused_: p {tuple(p.shape)}, grad {tuple(grad.shape)} and state "
                          f"{tuple(m.shape)} / {tuple(v.shape)} must have the same shape")
@@ -125,14 +148,19 @@ def adam_update_fused_(
                          "device (or CPU tensors under TRITON_INTERPRET=1); use adam_update_ otherwise")
     if len({p.device, grad.device, m.device, v.device}) != 1:
         raise ValueError("adam_update_fused_: p, grad and the moments must be on one device")
+    in_memory = isinstance(step_size, Tensor)
+    if in_memory != isinstance(decay, Tensor):
+        raise ValueError("adam_apply_fused_: step_size and decay must both be floats or both tensors")
+    if in_memory:
+        for name, t in (("step_size", step_size), ("decay", decay)):
+            if t.dtype != torch.float32 or t.numel() != 1 or t.device != p.device:
+                raise ValueError(f"adam_apply_fused_: {name} must be a one-element fp32 tensor on {p.device}, "
+                                 f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     beta1, beta2 = betas
-    state["step"] += 1
-    t = state["step"]
-    step_size = lr * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
     n = p.numel()
     if n:
         with launch_note("_adam_update_kernel", reads=(p, grad, m, v), writes=(p, m, v)):
             launch(_adam_update_kernel, (cdiv(n, _BLOCK),),
-                p, grad, m, v, n, 1.0 - beta1, beta2, 1.0 - beta2, eps, step_size,
-                lr * lr * weight_decay, BLOCK=_BLOCK, EXACT_ROUNDING=not interpreting(), num_warps=4)
+                p, grad, m, v, n, 1.0 - beta1, beta2, 1.0 - beta2, eps, step_size, decay,
+                BLOCK=_BLOCK, EXACT_ROUNDING=not interpreting(), SCALARS_IN_MEMORY=in_memory, num_warps=4)
     return p

@@ -9,14 +9,13 @@ own shard, only on odd steps, with the gradient summed over the two steps since 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from speedrun.kernels.fused_adam import adam_update_fused_, fused_adam_supported
+from speedrun.kernels.fused_adam import adam_apply_fused_, adam_scalars, adam_update_fused_, fused_adam_supported
 
-__all__ = ["adam_update_", "adam_update_auto_", "AdamState", "new_adam_state"]
+__all__ = ["adam_update_", "adam_apply_", "adam_update_auto_", "adam_apply_auto_", "adam_scalars", "AdamState",
+           "new_adam_state"]
 
 AdamState = dict  # {"step": int, "exp_avg": fp32 Tensor, "exp_avg_sq": fp32 Tensor}
 
@@ -52,20 +51,33 @@ def adam_update_(
     if p.shape != grad.shape or p.shape != state["exp_avg"].shape:
         raise ValueError(f"adam_update_: p {tuple(p.shape)}, grad {tuple(grad.shape)} and state "
                          f"{tuple(state['exp_avg'].shape)} must have the same shape")
-    beta1, beta2 = betas
     state["step"] += 1
-    t = state["step"]
+    step_size, decay = adam_scalars(state["step"], lr=lr, betas=betas, weight_decay=weight_decay)
+    return adam_apply_(p, grad, state["exp_avg"], state["exp_avg_sq"], betas=betas, eps=eps,
+                       step_size=step_size, decay=decay)
+
+
+@torch.no_grad()
+def adam_apply_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, *, betas: tuple[float, float], eps: float,
+                step_size: float | Tensor, decay: float | Tensor) -> Tensor:
+    """The update of :func:`adam_update_` with the step's two changing values given
+    (:func:`~speedrun.kernels.fused_adam.adam_scalars`): floats, or 0-d fp32 tensors on p's device
+    (a captured optimizer step reads them from a buffer written each step).  m, v: the fp32
+    moments, updated in place."""
+    beta1, beta2 = betas
     g = grad.float()
-    m, v = state["exp_avg"], state["exp_avg_sq"]
     m.lerp_(g, 1.0 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    step_size = lr * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
     # In-place chains keep the transient memory to ~two fp32 copies (the tables reach 1.1 GB).
     update = v.sqrt().add_(eps)
     torch.div(m, update, out=update).mul_(step_size)
     p32 = p if p.dtype == torch.float32 else p.float()
     # Cautious WD: only pull a weight toward zero where the update already pushes it that way.
-    update.addcmul_(p32, (update * p32 > 0), value=lr * lr * weight_decay)
+    keep = update * p32 > 0
+    if isinstance(decay, Tensor):
+        update.add_(p32 * keep * decay)  # addcmul's value must be a number
+    else:
+        update.addcmul_(p32, keep, value=decay)
     if p32 is p:
         p.sub_(update)
     else:
@@ -79,6 +91,17 @@ def adam_update_auto_(p: Tensor, grad: Tensor, state: dict, *, lr: float, betas:
     kernel for CUDA tensors it supports (:func:`fused_adam_supported`), the reference otherwise
     (as Polar Express decides); False: the reference; True: the kernel or a clear error (on CPU
     tensors only under ``TRITON_INTERPRET=1``)."""
-    fused = (p.is_cuda and fused_adam_supported(p, grad)) if use_triton is None else use_triton
-    fn = adam_update_fused_ if fused else adam_update_
+    fn = adam_update_fused_ if _fused(p, grad, use_triton) else adam_update_
     return fn(p, grad, state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def adam_apply_auto_(p: Tensor, grad: Tensor, m: Tensor, v: Tensor, *, betas: tuple[float, float], eps: float,
+                     step_size: float | Tensor, decay: float | Tensor, use_triton: bool | None = None) -> Tensor:
+    """:func:`adam_apply_` through the kernel or the reference, chosen as :func:`adam_update_auto_`
+    chooses."""
+    fn = adam_apply_fused_ if _fused(p, grad, use_triton) else adam_apply_
+    return fn(p, grad, m, v, betas=betas, eps=eps, step_size=step_size, decay=decay)
+
+
+def _fused(p: Tensor, grad: Tensor, use_triton: bool | None) -> bool:
+    return (p.is_cuda and fused_adam_supported(p, grad)) if use_triton is None else use_triton

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from speedrun.optim.adam import adam_update_auto_, new_adam_state
+from speedrun.kernels.step_values import StepValues
+from speedrun.optim.adam import adam_apply_auto_, adam_scalars, new_adam_state
 
 __all__ = [
     "ParamGroupSpec",
@@ -46,6 +47,7 @@ __all__ = [
     "record_param_table",
     "RECORD_WORK_ORDER",
     "NorMuonAndAdam",
+    "StepPlan",
     "split_fp32",
     "join_bf16",
     "normuon_variance_reduction_",
@@ -378,6 +380,27 @@ class _Entry:
     state: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What one optimizer step does, decided on the host before any kernel runs
+    (:meth:`NorMuonAndAdam.prepare`).  ``stepping``, ``fold_embed`` and ``split_embed`` decide
+    which kernels the step launches (a captured step is replayed only for the same ones); the
+    step's changing values (learning rates, momentum, Adam's bias corrections) are not here: they
+    are in the optimizer's device buffer of step values, written by ``prepare``."""
+
+    step_index: int
+    do_adam: bool
+    stepping: tuple[str, ...]  # labels updated this step, in table order
+    fold_embed: bool  # while tied: embed's gradient is added into lm_head's
+    split_embed: bool  # embed and lm_head are separate parameters (after untie)
+    untie: bool  # untie right after this step (a host-side change of the optimizer's layout)
+
+    @property
+    def structure(self) -> tuple:
+        """The kernel-deciding part: equal for steps a captured step may stand for."""
+        return (self.do_adam, self.stepping, self.fold_embed, self.split_embed, self.untie)
+
+
 class NorMuonAndAdam:
     """The record's combined optimizer.
 
@@ -401,7 +424,10 @@ class NorMuonAndAdam:
 
     Usage per training step: backward, then ``opt.step(step_index)``.  ``step`` clears the grads it
     consumed (set to None); Adam grads are kept on even steps so the next backward adds to them.
-    Do not call :meth:`zero_grad` between steps.
+    Do not call :meth:`zero_grad` between steps.  ``step`` is :meth:`prepare` (host: the plan, Adam's
+    step counts, the step's values written to ``step_values``) then :meth:`launch` (the kernels,
+    which read those values from the device): a CUDA graph of ``launch`` replays any step with the
+    same :attr:`StepPlan.structure` after its own ``prepare``.
     """
 
     def __init__(
@@ -449,6 +475,15 @@ class NorMuonAndAdam:
         self.lr_mult = 1.0
         self.muon_momentum = self.hyper.muon_momentum
         self._touched: dict[str, Tensor] = {}
+        # the step's values on the device: slots 0, 1 NorMuon's base lr and momentum, then one slot
+        # (weight decay) per NorMuon label and two (step size, decay) per Adam label, table order
+        self._slots: dict[str, int] = {}
+        n = 2
+        for label in self.order:
+            self._slots[label] = n
+            n += 1 if self.entries[label].spec.optim == "normuon" else 2
+        device = next(iter(params.values())).device if params else torch.device("cpu")
+        self.step_values = StepValues(device, n)
         self.reset()
 
     # -- construction ---------------------------------------------------------------------------
@@ -556,12 +591,18 @@ class NorMuonAndAdam:
     @torch.no_grad()
     def step(self, step_index: int, *, lr_mult: float | None = None, muon_momentum: float | None = None,
              do_adam: bool | None = None) -> None:
-        """Update all parameters for training step ``step_index`` (0-based).
+        """Update all parameters for training step ``step_index`` (0-based): :meth:`prepare` then
+        :meth:`launch` (see there for the arguments)."""
+        self.launch(self.prepare(step_index, lr_mult=lr_mult, muon_momentum=muon_momentum, do_adam=do_adam))
 
-        Values not given come from the schedule (if one was passed), else from
-        :meth:`set_lr_momentum`; ``do_adam`` defaults to ``step_index`` being odd.  With a schedule
-        whose settings say ``untie`` at this step, :meth:`untie` runs after the update.
-        """
+    def prepare(self, step_index: int, *, lr_mult: float | None = None, muon_momentum: float | None = None,
+                do_adam: bool | None = None, like: StepPlan | None = None) -> StepPlan:
+        """The host half of a step: which labels update (those holding a gradient, Adam ones on
+        Adam steps, embed not while tied to lm_head), Adam's step counts advanced, and the step's
+        values queued into ``step_values`` (one host-to-device copy).  Values not given come from
+        the schedule (if one was passed), else from :meth:`set_lr_momentum`; ``do_adam`` defaults
+        to ``step_index`` being odd.  ``like``: take which labels update from this plan instead of
+        from the gradients (a replayed step, whose gradients appear only when it runs)."""
         settings = self.schedule.at(step_index) if self.schedule is not None else None
         if lr_mult is None:
             lr_mult = settings.lr_mult if settings is not None else self.lr_mult
@@ -569,18 +610,49 @@ class NorMuonAndAdam:
             muon_momentum = settings.muon_momentum if settings is not None else self.muon_momentum
         if do_adam is None:
             do_adam = settings.adam_step if settings is not None else step_index % 2 == 1
+        untie = bool(settings is not None and getattr(settings, "untie", False) and self.tied and not self.split_embed)
         lm_label, em_label = self.tied if (self.tied and not self.split_embed) else (None, None)
+        if like is not None:
+            if like.do_adam != do_adam or like.split_embed != self.split_embed or like.untie != untie:
+                raise ValueError(f"NorMuonAndAdam.prepare: step {step_index} does not have the structure of the "
+                                 f"plan it is asked to follow (step {like.step_index})")
+            stepping, fold = like.stepping, like.fold_embed
+        else:
+            stepping = tuple(lab for lab in self.order
+                             if not (self.entries[lab].spec.optim == "adam" and not do_adam)
+                             and self.entries[lab].param.grad is not None and lab != em_label)
+            fold = lm_label in stepping and self.entries[em_label].param.grad is not None
+        h = self.hyper
+        base_lr = h.muon_lr * lr_mult
+        values = [0.0] * self.step_values.buffer.numel()
+        values[0], values[1] = base_lr, muon_momentum
+        for label in stepping:
+            e, slot = self.entries[label], self._slots[label]
+            if e.spec.optim == "normuon":
+                values[slot] = h.muon_weight_decay * e.spec.wd_mul * base_lr
+            else:
+                e.state["step"] += 1
+                values[slot], values[slot + 1] = adam_scalars(
+                    e.state["step"], lr=h.adam_lr * lr_mult * e.spec.lr_mul, betas=e.spec.betas,
+                    weight_decay=h.adam_weight_decay * e.spec.wd_mul)
+        self.step_values.write(values)
+        return StepPlan(step_index, do_adam, stepping, fold, self.split_embed, untie)
+
+    @torch.no_grad()
+    def launch(self, plan: StepPlan) -> None:
+        """The device half of a step: reductions, updates (reading the values :meth:`prepare`
+        wrote) and gathers in the order of the table and work order; consumed gradients set to
+        None; with ``plan.untie``, :meth:`untie` after the update."""
+        lm_label, em_label = self.tied if (self.tied and not plan.split_embed) else (None, None)
+        vals = self.step_values.buffer
+        base_lr, momentum = vals[0], vals[1]
 
         # Phase 1: launch every reduction in table order.
         pending: dict[str, Any] = {}
-        for label in self.order:
+        for label in plan.stepping:
             e = self.entries[label]
-            if (e.spec.optim == "adam" and not do_adam) or e.param.grad is None or label == em_label:
-                continue
-            if label == lm_label:
-                em_grad = self.entries[em_label].param.grad
-                if em_grad is not None:
-                    e.param.grad.add_(em_grad.mT)
+            if label == lm_label and plan.fold_embed:
+                e.param.grad.add_(self.entries[em_label].param.grad.mT)
             pending[label] = self._launch_reduce(e)
 
         # Phase 2: updates in work order, each followed by its gather.
@@ -588,19 +660,18 @@ class NorMuonAndAdam:
         for label in self.work_order:
             if label not in pending:
                 continue
-            e = self.entries[label]
+            e, slot = self.entries[label], self._slots[label]
             grad = pending[label]() if callable(pending[label]) else pending[label].wait()
             gather: tuple[_Pending | None, Callable[[], None] | None] = (None, None)
             if e.spec.optim == "adam":
                 shard = self._adam_shard(e)
-                adam_update_auto_(shard, grad, e.state, lr=self.hyper.adam_lr * lr_mult * e.spec.lr_mul,
-                                  betas=e.spec.betas, eps=self.hyper.adam_eps,
-                                  weight_decay=self.hyper.adam_weight_decay * e.spec.wd_mul,
-                                  use_triton=self.use_triton)
+                adam_apply_auto_(shard, grad, e.state["exp_avg"], e.state["exp_avg_sq"], betas=e.spec.betas,
+                                 eps=self.hyper.adam_eps, step_size=vals[slot], decay=vals[slot + 1],
+                                 use_triton=self.use_triton)
                 if e.comms in ("sharded", "sharded_sparse"):
                     gather = (self.comms.all_gather(e.param.data, shard), None)
             else:
-                gather = self._normuon_step(e, grad, lr_mult, muon_momentum)
+                gather = self._normuon_step(e, grad, base_lr, vals[slot], momentum)
             if label == lm_label:  # the embed copy needs the full lm_head now
                 _finish(gather)
                 self.entries[em_label].param.data.copy_(e.param.data.mT)
@@ -611,12 +682,12 @@ class NorMuonAndAdam:
         for gather in gathers:
             _finish(gather)
         for e in self.entries.values():
-            if e.spec.optim == "normuon" or do_adam:
+            if e.spec.optim == "normuon" or plan.do_adam:
                 e.param.grad = None
-        if do_adam:  # zeroed in place, not dropped: a captured step marks rows into these tensors
+        if plan.do_adam:  # zeroed in place, not dropped: a captured step marks rows into these tensors
             for rows in self._touched.values():
                 rows.zero_()
-        if settings is not None and getattr(settings, "untie", False) and self.tied and not self.split_embed:
+        if plan.untie:
             self.untie()
 
     def _launch_reduce(self, e: _Entry):
@@ -655,9 +726,8 @@ class NorMuonAndAdam:
         shard.index_add_(0, recv_rows - rank * chunk, recv_vals.view(-1, *g.shape[1:]))
         return shard.mul_(1.0 / W)
 
-    def _normuon_step(self, e: _Entry, grad: Tensor, lr_mult: float, momentum: float):
-        h = self.hyper
-        base_lr = h.muon_lr * lr_mult
+    def _normuon_step(self, e: _Entry, grad: Tensor, base_lr: Tensor, wd: Tensor, momentum: Tensor):
+        """``base_lr``, ``wd`` and ``momentum``: 0-d fp32 device tensors (the step values)."""
         sharded = e.comms == "sharded"
         grad = grad.reshape(e.chunk, e.rows, e.cols)
         first = self.comms.rank * e.chunk if sharded else 0
@@ -670,8 +740,7 @@ class NorMuonAndAdam:
             local[:n_real] = full[first:first + n_real]
             copy_back = n_real
         normuon_update_(local, e.state.get("mantissa"), grad, e.state["momentum_buffer"], e.state["second_moment"],
-                        lr=e.lr_mul * base_lr, wd=h.muon_weight_decay * e.spec.wd_mul * base_lr,
-                        momentum=momentum, beta2=h.muon_beta2, use_triton=self.use_triton,
+                        lr=e.lr_mul * base_lr, wd=wd, momentum=momentum, beta2=self.hyper.muon_beta2, use_triton=self.use_triton,
                         compile_backend=self.compile_backend)
         if not sharded:
             if copy_back is not None:

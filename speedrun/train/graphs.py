@@ -48,6 +48,7 @@ import torch
 
 from speedrun.config import CUDA_GRAPHS_CHOICES
 from speedrun.errors import ConfigError, SpeedrunError
+from speedrun.kernels.step_values import StepValues
 from speedrun.model.interface import ForwardArgs
 from speedrun.train import microbatch
 
@@ -202,38 +203,6 @@ class GraphStats:
     check_noise: float = 0.0  # largest run-to-run difference of the eager loop the checks saw
     peak_allocated: int = 0  # the device's peak allocation before the self-checks' snapshots (bytes)
     key_changes: list[str] = field(default_factory=list)  # why a known key was missed (first few)
-
-
-class StepValues:
-    """The step's loss weights (MTP weights, then the prefix weight) in one fp32 device buffer,
-    written once per step from pinned host memory.  Host buffers rotate through a ring and each
-    waits for its previous copy, so the host never overwrites values a queued copy has yet to read."""
-
-    RING = 4
-
-    def __init__(self, device: torch.device, size: int):
-        self.device = device
-        self.buffer = torch.zeros(size, dtype=torch.float32, device=device)
-        cuda = device.type == "cuda"
-        self._host = [torch.zeros(size, dtype=torch.float32, pin_memory=cuda) for _ in range(self.RING)]
-        self._done: list[Any] = [None] * self.RING
-        self._next = 0
-
-    def write(self, values: Sequence[float]) -> torch.Tensor:
-        if len(values) > self.buffer.numel():
-            raise ValueError(f"StepValues: {len(values)} values for a buffer of {self.buffer.numel()}")
-        i = self._next
-        self._next = (i + 1) % self.RING
-        if self._done[i] is not None:
-            self._done[i].synchronize()
-        host = self._host[i]
-        host.zero_()
-        host[: len(values)] = torch.tensor(values, dtype=torch.float32)
-        self.buffer.copy_(host, non_blocking=True)
-        if self.device.type == "cuda":
-            self._done[i] = torch.cuda.Event()
-            self._done[i].record()
-        return self.buffer
 
 
 class CudaCapture:
