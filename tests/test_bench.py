@@ -356,3 +356,16 @@ def test_clock_sampler_survives_failed_reads_and_checks_its_interval():
     assert s.errors == 1 and s.summary()["x"]["sm_mhz_median"] == 1800.0
     with pytest.raises(ValueError, match="interval_s must be > 0"):
         ClockSampler(read, interval_s=0)
+
+
+def test_bench_data_needs_no_validation_shards(tmp_path):
+    """bench and profile never validate: a training glob whose named validation shards do not
+    exist still runs (the training shards stand in, overlap allowed); when they exist they are used."""
+    from speedrun.evidence.arms import data_overrides
+
+    train = str(tmp_path / "x_train_*.bin")
+    assert data_overrides(train, validates=False) == [
+        "data.source=shards", f"data.train_files={train}", f"data.val_files={train}", "data.allow_val_overlap=true"]
+    (tmp_path / "x_val_000000.bin").write_bytes(b"")
+    assert data_overrides(train, validates=False)[2] == f"data.val_files={tmp_path / 'x_val_*.bin'}"
+    assert data_overrides(train)[2] == f"data.val_files={tmp_path / 'x_val_*.bin'}"  # training names them always

@@ -12,6 +12,8 @@ survive.  Names may hold letters, digits, ``-``, ``_`` and ``.``.
 
 from __future__ import annotations
 
+import glob
+import os
 import re
 from dataclasses import dataclass
 from typing import Sequence
@@ -119,8 +121,12 @@ def data_overrides(train_glob: str | None, val_glob: str | None = None, validate
 
     if not train_glob:
         return []
-    if val_glob or validates or "train" in train_glob:
+    if val_glob or validates:
         val = val_glob or val_glob_for(train_glob)
         return ["data.source=shards", f"data.train_files={train_glob}", f"data.val_files={val}"]
+    if "train" in train_glob:  # the named validation shards when they exist (nothing reads them here)
+        val = val_glob_for(train_glob)
+        if glob.glob(os.path.expanduser(val)):
+            return ["data.source=shards", f"data.train_files={train_glob}", f"data.val_files={val}"]
     return ["data.source=shards", f"data.train_files={train_glob}", f"data.val_files={train_glob}",
             "data.allow_val_overlap=true"]
