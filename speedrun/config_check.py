@@ -172,6 +172,7 @@ RULES: dict[str, Rule] = {
     "train.gc_freeze": _BOOL,
     "train.cuda_graphs": Rule(str, choices=CUDA_GRAPHS_CHOICES),
     "train.cuda_graph_check": _BOOL,
+    "train.cuda_graph_optimizer": _BOOL,
     "train.val_every": _int(0),
     "train.val_tokens": _int(1),
     "train.val_batch_tokens": _int(0),

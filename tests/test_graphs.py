@@ -175,6 +175,11 @@ def test_graph_bookkeeping_takes_the_eager_steps(tmp_path, kernels_use_reference
     (summary,) = summaries
     assert summary["captures"] == 2 and summary["replayed_steps"] == 9 - STEPS_UNTIL_REPLAY
     assert summary["eager_steps"] == 3 and summary["check_worst_rel_err"] == 0.0
+    # the optimizer's updates: keyed on the gradients' addresses too, so they repeat once the loop
+    # writes its run-long gradient buffers; both parities captured, later ones replayed
+    assert summary["update_graphs"] == summary["update_captures"] == 2, summary
+    assert summary["replayed_updates"] >= 2, summary
+    assert summary["eager_updates"] + summary["replayed_updates"] + summary["update_captures"] == 9, summary
 
 
 def test_self_check_names_a_mismatch(tmp_path, kernels_use_references):

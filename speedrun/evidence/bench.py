@@ -123,7 +123,8 @@ def build_session(name: str, cfg: RunConfig, stage_index: int, info, simulate_wo
     loader = run.make_loader(stage_index)
     graphs = None
     if graphs_enabled(cfg.train.cuda_graphs, info.device):
-        graphs = StepGraphs(run.run_model, run.recipe, info.device, run.dtype, check=cfg.train.cuda_graph_check)
+        graphs = StepGraphs(run.run_model, run.recipe, info.device, run.dtype, check=cfg.train.cuda_graph_check,
+                            capture_updates=cfg.train.cuda_graph_optimizer)
     return Session(name, cfg, stage, run.stage_end(stage_index), run.model, run.run_model, run.recipe, loader,
                    info, run.dtype, graphs=graphs)
 
@@ -314,7 +315,7 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
         if len(values) > 1:
             raise ConfigError(f"train.{field} is process-wide: every arm of one bench must use the same value, got "
                               + ", ".join(f"{n}={getattr(cfg.train, field)}" for n, cfg, _ in configs))
-    from speedrun.train.graphs import STEPS_UNTIL_REPLAY
+    from speedrun.train.graphs import STEPS_UNTIL_REPLAY, STEPS_UNTIL_UPDATE_REPLAY
 
     info = distributed.setup(configs[0][1].train.device)
     meter = MemoryMeter(info.device)
@@ -329,7 +330,8 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
         for s in sessions:
             before = meter.allocated()
             # with CUDA graphs, enough steps that every step key of the stage is captured
-            for _ in range(max(warmup, STEPS_UNTIL_REPLAY) if s.graphs is not None else warmup):
+            until = 0 if s.graphs is None else STEPS_UNTIL_REPLAY if s.graphs.updates is None else STEPS_UNTIL_UPDATE_REPLAY
+            for _ in range(max(warmup, until)):
                 s.step()
             distributed.barrier(info)
             s.resident_bytes += meter.allocated() - before  # optimizer state, FP8 caches, grads kept

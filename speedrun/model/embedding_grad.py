@@ -93,6 +93,10 @@ class EmbeddingGradAccumulator:
         self._handles: dict[int, tuple[int, torch.Tensor]] = {}  # id(acc) -> (handle, anchor)
         self._by_name: dict[str, tuple[int, torch.Tensor]] = {}  # prepare()'s tables -> (handle, anchor)
         self._pending = False
+        # id(weight) -> (weight, the buffer flush hands over as its .grad): kept for the run, so
+        # the gradient an optimizer step reads has one address from step to step (a captured
+        # optimizer update reads it there)
+        self._grads: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
 
     def _accumulator(self, weight: torch.nn.Parameter) -> torch.Tensor:
         """``weight``'s fp32 accumulator, allocated on first use (and again if the table changed
@@ -102,6 +106,7 @@ class EmbeddingGradAccumulator:
             if entry is not None and id(entry[1]) in self._handles:
                 _ACCUMULATORS[self._handles.pop(id(entry[1]))[0]] = None
             entry = self._acc[id(weight)] = (weight, torch.zeros(weight.shape, dtype=torch.float32, device=weight.device))
+            self._grad_buffer(weight)  # with the accumulator: what a step reads keeps its address from the start
         return entry[1]
 
     def _entry(self, weight: torch.nn.Parameter) -> tuple[int, torch.Tensor]:
@@ -161,11 +166,18 @@ class EmbeddingGradAccumulator:
             return
         for weight, acc in self._acc.values():
             if weight.grad is None:
-                weight.grad = acc.to(weight.dtype, copy=True)  # (an fp32 table would otherwise alias acc)
+                weight.grad = self._grad_buffer(weight).copy_(acc)  # (never acc itself: it is zeroed next)
             else:
                 weight.grad.add_(acc)
             acc.zero_()
         self._pending = False
+
+    def _grad_buffer(self, weight: torch.nn.Parameter) -> torch.Tensor:
+        entry = self._grads.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[1].shape != weight.shape or entry[1].dtype != weight.dtype \
+                or entry[1].device != weight.device:
+            entry = self._grads[id(weight)] = (weight, torch.empty_like(weight, memory_format=torch.contiguous_format))
+        return entry[1]
 
     def pending_sum(self, weight: torch.nn.Parameter) -> torch.Tensor | None:
         """The fp32 sum accumulated for ``weight`` since the last flush (a reference), or None
@@ -199,6 +211,7 @@ class EmbeddingGradAccumulator:
         for handle, _ in self._handles.values():
             _ACCUMULATORS[handle] = None  # the memory goes; the handle is never reused
         self._acc.clear()
+        self._grads.clear()
         self._handles.clear()
         self._by_name.clear()
         self._pending = False

@@ -640,9 +640,25 @@ class NorMuonAndAdam:
 
     @torch.no_grad()
     def launch(self, plan: StepPlan) -> None:
-        """The device half of a step: reductions, updates (reading the values :meth:`prepare`
-        wrote) and gathers in the order of the table and work order; consumed gradients set to
-        None; with ``plan.untie``, :meth:`untie` after the update."""
+        """The device half of a step: :meth:`launch_kernels`, then :meth:`release_grads`; with
+        ``plan.untie``, :meth:`untie` after the update."""
+        self.launch_kernels(plan)
+        self.release_grads(plan)
+        if plan.untie:
+            self.untie()
+
+    def release_grads(self, plan: StepPlan) -> None:
+        """Set the gradients the step consumed to None (NorMuon's always, Adam's on Adam steps;
+        Adam's are kept on other steps so the next backward adds to them).  Host-side only."""
+        for e in self.entries.values():
+            if e.spec.optim == "normuon" or plan.do_adam:
+                e.param.grad = None
+
+    @torch.no_grad()
+    def launch_kernels(self, plan: StepPlan) -> None:
+        """Reductions, updates (reading the values :meth:`prepare` wrote) and gathers in the order
+        of the table and work order, and the sparse row marks zeroed on Adam steps: every kernel
+        of the step and nothing host-side (so a CUDA graph of it replays the whole update)."""
         lm_label, em_label = self.tied if (self.tied and not plan.split_embed) else (None, None)
         vals = self.step_values.buffer
         base_lr, momentum = vals[0], vals[1]
@@ -678,17 +694,12 @@ class NorMuonAndAdam:
             else:
                 gathers.append(gather)
 
-        # Phase 3: finish gathers and clear consumed gradients.
+        # Phase 3: finish gathers.
         for gather in gathers:
             _finish(gather)
-        for e in self.entries.values():
-            if e.spec.optim == "normuon" or plan.do_adam:
-                e.param.grad = None
         if plan.do_adam:  # zeroed in place, not dropped: a captured step marks rows into these tensors
             for rows in self._touched.values():
                 rows.zero_()
-        if plan.untie:
-            self.untie()
 
     def _launch_reduce(self, e: _Entry):
         g = e.param.grad

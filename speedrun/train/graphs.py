@@ -7,7 +7,9 @@ backward of each micro-batch, gradients accumulated: :func:`speedrun.train.micro
 is captured once per *step key* into a ``torch.cuda.CUDAGraph`` and replayed: one launch per step.
 What stays eager, between replays: the loader, the copy of each micro-batch into the graph's
 static buffers, the step's loss weights written into a device buffer, and everything after the
-loop (gradient flushes and reduction, optimizer, FP8 step end).
+loop (gradient flushes and reduction, the optimizer's host half, the FP8 weight refresh and step
+end).  The optimizer's kernels are replayed too, by :mod:`speedrun.train.update_graphs`, which
+shares this module's capture stream, memory pool, counters and self-check.
 
 The step key is everything that decides which kernels the loop launches and where they read and
 write: the micro-batches' shapes (tokens, cu_seqlens slots, max_seqlen, bigram ids), their count
@@ -59,6 +61,11 @@ CAPTURE_ON_SIGHT = 2
 # Steps of one stage before all its keys replay: the first step (no FP8 scale ready yet), then an
 # even and an odd step key, each eager once and captured at its second sight.
 STEPS_UNTIL_REPLAY = 1 + 2 * CAPTURE_ON_SIGHT
+# ... and before the optimizer's updates replay too (speedrun.train.update_graphs): an update's key
+# holds its gradients' addresses, which settle when the loop is first captured (its gradients move
+# into run-long buffers, two steps before the loop replays); its two keys then take two steps
+# each, eager and captured.
+STEPS_UNTIL_UPDATE_REPLAY = STEPS_UNTIL_REPLAY - 2 + 2 * CAPTURE_ON_SIGHT
 # Relative Frobenius error always allowed between the eager run and the replay of the same
 # micro-batches, and the multiple of the eager loop's own run-to-run difference allowed beyond it:
 # atomic adds (the embedding accumulators, attention's backward, Inductor's split reductions) sum
@@ -203,6 +210,10 @@ class GraphStats:
     check_noise: float = 0.0  # largest run-to-run difference of the eager loop the checks saw
     peak_allocated: int = 0  # the device's peak allocation before the self-checks' snapshots (bytes)
     key_changes: list[str] = field(default_factory=list)  # why a known key was missed (first few)
+    # the optimizer's update (speedrun.train.update_graphs), counted apart from the micro-batch loop
+    eager_updates: int = 0
+    replayed_updates: int = 0
+    update_captures: int = 0
 
 
 class CudaCapture:
@@ -289,7 +300,7 @@ class StepGraphs:
 
     def __init__(self, model, recipe, device: torch.device, dtype: torch.dtype, *,
                  pause: Callable[[], contextlib.AbstractContextManager] | None = None, check: bool = True,
-                 capture_with: Callable[[torch.device], Any] | None = None):
+                 capture_with: Callable[[torch.device], Any] | None = None, capture_updates: bool = True):
         if capture_with is None:
             if device.type != "cuda":
                 raise ConfigError(f"CUDA graphs need a CUDA device, got {device}")
@@ -307,6 +318,15 @@ class StepGraphs:
         self._inputs: dict[tuple, list] = {}  # (batch shape, count) -> static micro-batches
         self._values: StepValues | None = None
         self._loss: torch.Tensor | None = None
+        # the optimizer's update too, where it can be captured (train.cuda_graph_optimizer)
+        self.updates = None
+        if capture_updates:
+            from speedrun.train.update_graphs import UpdateGraphs, update_capturable
+
+            if update_capturable(recipe.optimizer):
+                self.updates = UpdateGraphs(recipe.optimizer, self._capture_device, stats=self.stats,
+                                            pause=self.pause, check=check)
+                recipe.use_update_graphs(self.updates)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -332,12 +352,23 @@ class StepGraphs:
         return self._loss.clone()
 
     def summary(self) -> dict:
-        """Counts for the run log: steps replayed and eager, captures, their time and checks."""
+        """Counts for the run log: steps replayed and eager, captures, their time and checks (the
+        optimizer's update graphs counted apart: ``update_*``, absent when it runs eagerly)."""
         s = self.stats
-        return {"graphs": len(self._steps), "replayed_steps": s.replayed_steps, "eager_steps": s.eager_steps,
-                "captures": s.captures, "capture_s": round(s.capture_s, 3), "check_worst_rel_err": s.check_worst,
-                "check_eager_noise": s.check_noise,
-                "key_changes": list(s.key_changes)}
+        out = {"graphs": len(self._steps), "replayed_steps": s.replayed_steps, "eager_steps": s.eager_steps,
+               "captures": s.captures, "capture_s": round(s.capture_s, 3), "check_worst_rel_err": s.check_worst,
+               "check_eager_noise": s.check_noise,
+               "key_changes": list(s.key_changes)}
+        if self.updates is not None:
+            out.update(self.updates.summary(), replayed_updates=s.replayed_updates, eager_updates=s.eager_updates,
+                       update_captures=s.update_captures)
+        return out
+
+    def _capture_device(self):
+        """The capturer both kinds of graph use (one stream, one memory pool), made on first use."""
+        if self._capturer is None:
+            self._capturer = self._capture_with(self.device)
+        return self._capturer
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -415,10 +446,9 @@ class StepGraphs:
 
     def _capture(self, key: StepKey, batches: list, args: ForwardArgs, scale: float) -> CapturedStep:
         model, device = self.model, self.device
-        if self._capturer is None:
-            self._capturer = self._capture_with(device)
+        if self._loss is None:
             self._loss = torch.zeros((), dtype=torch.float32, device=device)
-        cap = self._capturer
+        cap = self._capture_device()
         static = self._static_inputs(batches)
         gargs = self._graph_args(args)
         host = model.graph_host_state()
@@ -483,7 +513,8 @@ class StepGraphs:
 
         # (5) the replay against the eager loop
         if self.check:
-            step.check = self._compare(key, names, outputs(self._loss), eager, noise)
+            what = (f"the step with {key.count} micro-batch(es) of shapes {key.shapes}, windows {key.windows}")
+            step.check = compare_replay(what, names, outputs(self._loss), eager, noise)
             self.stats.check_worst = max(self.stats.check_worst, step.check["worst_rel_err"])
             self.stats.check_noise = max(self.stats.check_noise, step.check["worst_eager_noise"])
         del eager, state
@@ -505,26 +536,26 @@ class StepGraphs:
                 old.copy_(saved)
             p.grad = old
 
-    @staticmethod
-    def _compare(key: StepKey, names: list[str], got: list[torch.Tensor], want: list[torch.Tensor],
-                 noise: list[float]) -> dict:
-        """Each replayed output against the eager loop's: within ``CHECK_TOLERANCE`` or
-        ``NOISE_FACTOR`` times the eager loop's own run-to-run difference (NaN never passes)."""
-        worst = worst_noise = 0.0
-        exact = 0
-        for name, g, w, n in zip(names, got, want, noise):
-            err = _relative_error(g, w)
-            bound = max(CHECK_TOLERANCE, NOISE_FACTOR * n)
-            if not err <= bound:
-                raise GraphMismatchError(
-                    f"CUDA graph of the step with {key.count} micro-batch(es) of shapes {key.shapes}, windows "
-                    f"{key.windows}: its replay differs from the eager step in {name} (relative error {err:.3g}; "
-                    f"allowed {bound:.3g}, the eager loop's own run-to-run difference there is {n:.3g}); run "
-                    "with train.cuda_graphs=off and report this")
-            worst, worst_noise = max(worst, err), max(worst_noise, n)
-            exact += bool(torch.equal(g, w))
-        return {"compared": len(names), "bitwise_equal": exact, "worst_rel_err": worst,
-                "worst_eager_noise": worst_noise}
+
+def compare_replay(what: str, names: list[str], got: list[torch.Tensor], want: list[torch.Tensor],
+                   noise: list[float]) -> dict:
+    """Each replayed output against the eager run's: within ``CHECK_TOLERANCE`` or
+    ``NOISE_FACTOR`` times the eager run's own run-to-run difference (NaN never passes);
+    :class:`GraphMismatchError` names ``what`` (the captured work) and the first tensor outside."""
+    worst = worst_noise = 0.0
+    exact = 0
+    for name, g, w, n in zip(names, got, want, noise):
+        err = _relative_error(g, w)
+        bound = max(CHECK_TOLERANCE, NOISE_FACTOR * n)
+        if not err <= bound:
+            raise GraphMismatchError(
+                f"CUDA graph of {what}: its replay differs from the eager run in {name} (relative error {err:.3g}; "
+                f"allowed {bound:.3g}, the eager run's own run-to-run difference there is {n:.3g}); run "
+                "with train.cuda_graphs=off and report this")
+        worst, worst_noise = max(worst, err), max(worst_noise, n)
+        exact += bool(torch.equal(g, w))
+    return {"compared": len(names), "bitwise_equal": exact, "worst_rel_err": worst,
+            "worst_eager_noise": worst_noise}
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -491,7 +491,7 @@ def timed_loop(run: Run, run_dir: Path, log: RunLog, progress: Progress, stop_af
     graphs = None
     if graphs_enabled(cfg.train.cuda_graphs, device):
         graphs = StepGraphs(run.run_model, recipe, device, run.dtype, pause=clock.pause,
-                            check=cfg.train.cuda_graph_check)
+                            check=cfg.train.cuda_graph_check, capture_updates=cfg.train.cuda_graph_optimizer)
     clock.start()
     recipe.on_clock_start()
     window_steps = 0

@@ -11,7 +11,8 @@ The training loop is one code path; a recipe supplies the schedule around it:
 
 Interface used by the loop: ``stages``, ``stage_index(step)``, ``forward_args(step)``,
 ``eval_args(step, final)``, ``before_step(step)``, ``after_backward(batch)``,
-``optimizer_step(step)``, ``on_clock_start()``, ``sync_to(step)`` (after a reset or resume),
+``optimizer_step(step)``, ``use_update_graphs(graphs)`` (launch the updates through CUDA graphs:
+:mod:`speedrun.train.update_graphs`), ``on_clock_start()``, ``sync_to(step)`` (after a reset or resume),
 ``embedding_grads_due(step)`` (whether the optimizer step reads the embedding tables' in-place
 accumulated gradients, so the loop flushes them first), ``grads_reduced_by_optimizer``,
 ``loss_reduction`` ("mean": backward of each micro-batch's mean loss; "sum": of its sum over the
@@ -100,6 +101,9 @@ class CoreRecipe:
     def optimizer_step(self, step: int) -> None:
         self.optimizer.step(step)
 
+    def use_update_graphs(self, graphs) -> None:
+        raise ConfigError("the trapezoid schedule's AdamW update is not captured in CUDA graphs")
+
     def on_clock_start(self) -> None:
         pass
 
@@ -171,6 +175,7 @@ class RecordRecipe:
         adam = {id(e.param) for e in self.optimizer.entries.values() if e.spec.optim == "adam"}
         self._embeddings_adam_only = all(id(p) in adam for p in model.embedding_grad_params().values())
         self._long_window = None
+        self.update_graphs = None  # speedrun.train.update_graphs.UpdateGraphs, set by use_update_graphs
         self.max_tokens = 0  # set by the loop: the largest batch (training or validation), for the RoPE tables
         self.fp8_refreshes = 0
         self._refresh_fp8()
@@ -221,8 +226,17 @@ class RecordRecipe:
             self.optimizer.mark_rows("bigram_embed", batch.bigram)
 
     def optimizer_step(self, step: int) -> None:
-        self.optimizer.step(step)
+        plan = self.optimizer.prepare(step)
+        if self.update_graphs is not None:
+            self.update_graphs.launch(plan)
+        else:
+            self.optimizer.launch(plan)
         self._refresh_fp8()
+
+    def use_update_graphs(self, graphs) -> None:
+        """Launch every optimizer update through ``graphs``
+        (:class:`speedrun.train.update_graphs.UpdateGraphs`: captured and replayed)."""
+        self.update_graphs = graphs
 
     def _refresh_fp8(self) -> None:
         """FP8 weight copies follow every change of the weights, and only those."""

@@ -1,5 +1,6 @@
-"""CUDA-graph steps (speedrun.train.graphs) on a GPU: captured steps train as the eager loop does,
-each capture passes its self-check, and a replayed step's micro-batches issue no eager kernel."""
+"""CUDA-graph steps (speedrun.train.graphs, speedrun.train.update_graphs) on a GPU: captured steps
+and optimizer updates train as the eager ones do, each capture passes its self-check, and a
+replayed step's micro-batches and update issue no eager kernel."""
 
 import json
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from speedrun.config import apply_overrides, preset
-from speedrun.train.graphs import CHECK_TOLERANCE, STEPS_UNTIL_REPLAY
+from speedrun.train.graphs import CHECK_TOLERANCE, STEPS_UNTIL_REPLAY, STEPS_UNTIL_UPDATE_REPLAY
 from speedrun.train.loop import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("use_builtin_cache")]
@@ -47,13 +48,17 @@ def test_graph_steps_train_as_the_eager_loop(tmp_path, switches, compile_):
     # four stages of ~10 steps: each replays from its STEPS_UNTIL_REPLAY-th step on
     assert summary["replayed_steps"] >= 40 - 4 * (STEPS_UNTIL_REPLAY + 1), summary
     assert summary["captures"] >= 8 and summary["check_worst_rel_err"] <= CHECK_TOLERANCE, summary
+    # the optimizer's updates: their keys hold the gradients' addresses (the run-long buffers, the
+    # same in every stage) and the plan (Adam or not, tied or split): most of them replayed
+    assert summary["update_captures"] >= 2 and summary["replayed_updates"] >= 20, summary
     if compile_:
         assert "compilations during the timed region: 0" in log
 
 
 def test_replayed_step_launches_one_graph(tmp_path):
-    """The micro-batch loop of a replayed step: one graph launch and no kernel launched eagerly
-    (the inputs and the step's loss weights travel by copies)."""
+    """The micro-batch loop of a replayed step and its optimizer update: one graph launch each and
+    no kernel launched eagerly (the inputs, the loss weights and the update's values travel by
+    copies)."""
     from torch.profiler import ProfilerActivity, profile
 
     from speedrun import distributed
@@ -64,34 +69,42 @@ def test_replayed_step_launches_one_graph(tmp_path):
                           "train.steps=40", "train.num_extension=4", f"out_dir={tmp_path}", "train.dtype=bf16",
                           "train.cuda_graphs=on", *CANDIDATE])
     session = build_session("cand", cfg, 0, distributed.setup(cfg.train.device))
-    try:
-        for _ in range(STEPS_UNTIL_REPLAY):
-            session.step()
-        real = session.graphs.run
-        names: list[str] = []
+    traced_names: dict[str, list[str]] = {"loop": [], "update": []}
 
-        def traced(*args, **kwargs):
+    def traced(real, names):
+        def run(*args, **kwargs):
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 out = real(*args, **kwargs)
                 torch.cuda.synchronize()
             names.extend(e.name for e in prof.events())
             return out
 
-        session.graphs.run = traced
-        before = session.graphs.stats.replayed_steps
+        return run
+
+    try:
+        for _ in range(STEPS_UNTIL_UPDATE_REPLAY):
+            session.step()
+        updates = session.recipe.update_graphs
+        assert updates is session.graphs.updates is not None
+        session.graphs.run = traced(session.graphs.run, traced_names["loop"])
+        updates.launch = traced(updates.launch, traced_names["update"])
+        before = session.graphs.stats.replayed_steps, session.graphs.stats.replayed_updates
         session.step()
     finally:
         session.close()
-    assert session.graphs.stats.replayed_steps == before + 1
-    launches = [n for n in names if n in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")]
-    assert names.count("cudaGraphLaunch") == 1, sorted(set(names))
-    assert not launches, launches
+    assert (session.graphs.stats.replayed_steps, session.graphs.stats.replayed_updates) == (before[0] + 1,
+                                                                                           before[1] + 1)
+    for part, names in traced_names.items():
+        launches = [n for n in names if n in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                                              "cuLaunchKernelEx")]
+        assert names.count("cudaGraphLaunch") == 1, (part, sorted(set(names)))
+        assert not launches, (part, launches)
 
 
 @pytest.mark.parametrize("arm", ["record", "candidate"])
 def test_record_shape_graphs_pass_their_self_check(webmix_dir, arm):
-    """The presets at stage-1 shapes (8 micro-batches of 16,384 tokens): both step keys captured,
-    each replay equal to the eager loop within the check's tolerance."""
+    """The presets at stage-1 shapes (8 micro-batches of 16,384 tokens): both step keys and both
+    update keys captured, each replay equal to the eager run within the check's tolerance."""
     from speedrun import distributed
     from speedrun.evidence.bench import build_session
 
@@ -101,10 +114,11 @@ def test_record_shape_graphs_pass_their_self_check(webmix_dir, arm):
                           "train.cuda_graphs=on"])
     session = build_session(arm, cfg, 0, distributed.setup(cfg.train.device))
     try:
-        for _ in range(STEPS_UNTIL_REPLAY + 2):
+        for _ in range(STEPS_UNTIL_UPDATE_REPLAY + 2):
             session.step()
     finally:
         session.close()
     summary = session.graphs.summary()
-    assert summary["captures"] == 2 and summary["replayed_steps"] == 2, summary
+    assert summary["captures"] == 2 and summary["replayed_steps"] == 4, summary
+    assert summary["update_captures"] == 2 and summary["replayed_updates"] == 2, summary
     assert summary["check_worst_rel_err"] <= CHECK_TOLERANCE, summary
