@@ -14,9 +14,11 @@ from speedrun.train.loop import train
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("use_builtin_cache")]
 
 RECORD = ["model.kernels=fp8", "model.mlp_input_quant=graph", "model.mlp_weight_grad=accumulate",
-          "model.gate_gemm_align=8", "train.optimizer_compile=true"]
+          "model.gate_gemm_align=8", "train.optimizer_compile=true",
+          "train.cuda_graph_optimizer=true"]
 CANDIDATE = ["model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_head_dim=16",
-             "model.fp8_input_scaling=delayed", "model.qk_prep_fp8_grad=true", "train.optimizer_compile=true"]
+             "model.fp8_input_scaling=delayed", "model.qk_prep_fp8_grad=true", "train.optimizer_compile=true",
+             "train.cuda_graph_optimizer=true"]
 
 
 def _train_losses(tmp_path, switches, graphs: str):
@@ -111,7 +113,7 @@ def test_record_shape_graphs_pass_their_self_check(webmix_dir, arm):
     cfg = preset(arm)
     apply_overrides(cfg, [f"data.train_files={webmix_dir}/webmix_train_*.bin",
                           f"data.val_files={webmix_dir}/webmix_val_*.bin", "train.max_docs=256",
-                          "train.cuda_graphs=on"])
+                          "train.cuda_graphs=on", "train.cuda_graph_optimizer=true"])
     session = build_session(arm, cfg, 0, distributed.setup(cfg.train.device))
     try:
         for _ in range(STEPS_UNTIL_UPDATE_REPLAY + 2):
