@@ -180,9 +180,11 @@ def _rng_state(device: torch.device) -> dict:
 
 
 def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
+    # (a checkpoint loaded with map_location=cuda holds its RNG states on the GPU too; the
+    # generators take CPU byte tensors)
+    torch.set_rng_state(state["cpu"].cpu())
     if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
 def _tensors_to_cpu(obj):
