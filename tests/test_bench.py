@@ -103,6 +103,9 @@ def test_arms_report_every_step_loss_and_one_preset_trains_alike():
     a, b, c = (arm["losses"] for arm in res["arms"])
     assert len(a) == len(b) == len(c) == 21 and all(math.isfinite(x) for x in a)
     assert a == b and a[0] != c[0]
+    table = bench.render_table(res)
+    assert "training loss, b against a (same preset, same start): largest relative difference 0 over 21 steps" in table
+    assert "training loss, c against a" in table
 
 
 def test_step_memory_accounting_with_a_stand_in_meter(monkeypatch):

@@ -526,15 +526,36 @@ def render_table(result: dict[str, Any]) -> str:
     lines += _render_clocks(result)
     lines += _render_collections(result)
     lines += _render_host(result)
+    lines += _render_losses(result)
     for a in result["arms"]:
         g = a.get("cuda_graphs")
         if g:
+            updates = (f"; optimizer updates: {g['replayed_updates']} replayed, {g['eager_updates']} eager, "
+                       f"{g['update_captures']} captured" if "update_captures" in g else "")
             lines.append(f"cuda graphs, {a['name']}: {g['replayed_steps']} steps replayed, {g['eager_steps']} eager, "
-                         f"{g['captures']} captured, worst self-check relative error {g['check_worst_rel_err']:.2g}"
-                         + "".join(f"; {c}" for c in g["key_changes"]))
+                         f"{g['captures']} captured{updates}, worst self-check relative error "
+                         f"{g['check_worst_rel_err']:.2g}" + "".join(f"; {c}" for c in g["key_changes"]))
     for w in result["warnings"]:
         lines.append(f"warning: {w}")
     return "\n".join(lines) + "\n"
+
+
+def _render_losses(result: dict[str, Any]) -> list[str]:
+    """Each arm's training losses against the first arm of its preset (arms of one preset start
+    from the same weights and batches): the largest relative difference over their common steps."""
+    first: dict[str, dict] = {}
+    lines = []
+    for a in result["arms"]:
+        if a.get("chain", 1) != result["chain"][0]:  # another chain length of an arm listed already
+            continue
+        ref = first.setdefault(a.get("preset"), a)
+        if ref is a or not a.get("losses") or not ref.get("losses"):
+            continue
+        pairs = list(zip(a["losses"], ref["losses"]))
+        worst = max(abs(x - y) / max(abs(y), 1e-30) for x, y in pairs)
+        lines.append(f"training loss, {a['name']} against {ref['name']} (same preset, same start): largest relative "
+                     f"difference {worst:.2g} over {len(pairs)} steps; last {a['losses'][-1]:.4f} vs {ref['losses'][-1]:.4f}")
+    return lines
 
 
 def _render_clocks(result: dict[str, Any]) -> list[str]:
