@@ -72,11 +72,20 @@ def kernels_use_references(monkeypatch):
     import importlib
 
     # Import every module before patching any: a module first imported after fp8_cache is patched
-    # would bind the patched function by name, and the undo would restore that.
+    # would bind the patched function by name, and the undo would restore that.  ``_triton`` too:
+    # its ``triton_usable`` (the launchers' "run the kernel here?" test) asks its own
+    # ``interpreting``, and patching only the launchers' copies left the interpreter running.
     modules = [importlib.import_module(f"speedrun.kernels.{name}")
-               for name in ("fp8_cache", "mlp", "qk_prep", "qkv_pack", "cross_entropy")]
+               for name in ("_triton", "fp8_cache", "mlp", "qk_prep", "qkv_pack", "cross_entropy")]
     for module in modules:
         monkeypatch.setattr(module, "interpreting", lambda: False)
+
+    def no_launch(kernel, *args, **kwargs):  # the contract, enforced: no fused kernel reaches Triton
+        raise AssertionError(f"kernels_use_references: {getattr(kernel, '__name__', kernel)} was launched "
+                             "through Triton instead of running its PyTorch reference")
+
+    for module in modules:
+        monkeypatch.setattr(module, "launch", no_launch, raising=False)
 
 
 @pytest.fixture
