@@ -19,6 +19,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the README's ``-n auto``: one worker per core) each worker computes on one
+# intra-op thread, and so do the trainings it starts as subprocesses: more threads than cores fight
+# each other (a test that wants a thread count sets it itself, as ``one_thread`` does).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 
 def _env_dir(name: str) -> Path | None:
     value = os.environ.get(name)
