@@ -19,6 +19,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the README's ``-n auto``: one worker per core) each worker computes on one
+# intra-op thread, and so do the trainings it starts as subprocesses: more threads than cores fight
+# each other (a test that wants a thread count sets it itself, as ``one_thread`` does).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 
 def _env_dir(name: str) -> Path | None:
     value = os.environ.get(name)
@@ -72,11 +80,20 @@ def kernels_use_references(monkeypatch):
     import importlib
 
     # Import every module before patching any: a module first imported after fp8_cache is patched
-    # would bind the patched function by name, and the undo would restore that.
+    # would bind the patched function by name, and the undo would restore that.  ``_triton`` too:
+    # its ``triton_usable`` (the launchers' "run the kernel here?" test) asks its own
+    # ``interpreting``, and patching only the launchers' copies left the interpreter running.
     modules = [importlib.import_module(f"speedrun.kernels.{name}")
-               for name in ("fp8_cache", "mlp", "qk_prep", "qkv_pack", "cross_entropy")]
+               for name in ("_triton", "fp8_cache", "mlp", "qk_prep", "qkv_pack", "cross_entropy")]
     for module in modules:
         monkeypatch.setattr(module, "interpreting", lambda: False)
+
+    def no_launch(kernel, *args, **kwargs):  # the contract, enforced: no fused kernel reaches Triton
+        raise AssertionError(f"kernels_use_references: {getattr(kernel, '__name__', kernel)} was launched "
+                             "through Triton instead of running its PyTorch reference")
+
+    for module in modules:
+        monkeypatch.setattr(module, "launch", no_launch, raising=False)
 
 
 @pytest.fixture

@@ -126,11 +126,13 @@ def test_switch_is_validated():
 
 
 @pytest.mark.usefixtures("use_builtin_cache")
-def test_training_with_in_place_mlp_gradients_takes_the_same_steps(tmp_path, monkeypatch):
+def test_training_with_in_place_mlp_gradients_takes_the_same_steps(tmp_path, monkeypatch, kernels_use_references):
     """The tiny record recipe with the FP8 MLP, two micro-batches per step and a warmup: the loop
     flushes the bank's sums before each optimizer step, which sees the gradient autograd's route
     gives (fp32 bank: to the bit), and the run ends at the same weights; the warmup's discarded
-    step leaves nothing in the accumulator."""
+    step leaves nothing in the accumulator.  The loop's plumbing is under test, not the FP8
+    kernels (test_record_mlp_bank_gradient_equals_autograd runs them through the interpreter):
+    their PyTorch references keep the interpreter out of the 2 x 5 steps."""
     from speedrun.config import apply_overrides, preset
     from speedrun.optim.normuon import NorMuonAndAdam
     from speedrun.train.checkpoint import list_checkpoints
@@ -144,11 +146,14 @@ def test_training_with_in_place_mlp_gradients_takes_the_same_steps(tmp_path, mon
         return real_step(self, step_index, **kw)
 
     monkeypatch.setattr(NorMuonAndAdam, "step", spy)
-    # the plumbing is under test, not the ReLU² kernel (tested against this reference elsewhere):
-    # its reference keeps the interpreter out of the MLP's GEMMs
-    from speedrun.kernels import mlp
+    products = {"autograd": 0, "accumulate": 0}  # the accumulate run must take the in-place route
+    real_add = MLPBankGradAccumulator.add_product
 
-    monkeypatch.setattr(mlp, "relu2_gemm", mlp.relu2_gemm_reference)
+    def count(self, *a, **kw):
+        products[mode] += 1
+        return real_add(self, *a, **kw)
+
+    monkeypatch.setattr(MLPBankGradAccumulator, "add_product", count)
     weights = {}
     for mode in ("autograd", "accumulate"):
         seen[mode] = []
@@ -160,6 +165,7 @@ def test_training_with_in_place_mlp_gradients_takes_the_same_steps(tmp_path, mon
                               f"out_dir={tmp_path / mode}"])
         result = train(cfg, console=False)
         weights[mode] = torch.load(list_checkpoints(result.run_dir)[-1], weights_only=False)["model"]
+    assert products["autograd"] == 0 and products["accumulate"] > 0, products
     assert len(seen["autograd"]) == len(seen["accumulate"]) >= 4
     for i, (want, got) in enumerate(zip(seen["autograd"], seen["accumulate"])):
         assert want.abs().sum() > 0 and torch.equal(got, want), i

@@ -230,7 +230,12 @@ def test_fp8_head_weight_is_quantised_once_per_update(kernels_use_references, mo
     assert len(calls) == 1 and not torch.equal(model.loss(batch, ARGS), on_the_fly)
 
 
-def test_training_refreshes_the_fp8_cache_once_per_update(tmp_path, builtin_cache, monkeypatch):
+def test_training_refreshes_the_fp8_cache_once_per_update(tmp_path, builtin_cache, monkeypatch,
+                                                         kernels_use_references):
+    """The candidate's FP8 weight copies are requantised once at construction and once after each
+    optimizer update, never more.  The count is the training loop's bookkeeping, the same whatever
+    runs the quantisation: the kernels' PyTorch references here (the candidate's Triton kernels run
+    end to end in test_tiny_candidate)."""
     from speedrun.config import apply_overrides
     from speedrun.train import recipes
     from speedrun.train.loop import train

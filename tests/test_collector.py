@@ -2,6 +2,7 @@
 train), thawed afterwards, and collections are filed under the arm whose step ran."""
 
 import gc
+import sys
 
 import pytest
 
@@ -21,8 +22,18 @@ class _Cycle:
 
 
 def test_freeze_and_thaw():
+    # No other thread may run between the freeze and the count: under pytest-xdist, execnet's
+    # I/O thread frees objects now and then, and a frozen object freed leaves the frozen count
+    # (seen: 525966 frozen, 525964 counted a moment later).  Without forced switches the test's
+    # thread keeps the interpreter through both reads.
+    interval = sys.getswitchinterval()
     try:
-        assert freeze_long_lived() == gc.get_freeze_count() > 0
+        sys.setswitchinterval(1000.0)
+        try:
+            frozen, counted = freeze_long_lived(), gc.get_freeze_count()
+        finally:
+            sys.setswitchinterval(interval)
+        assert frozen == counted > 0
         survivor = _Cycle()  # made after the freeze: still collectable
         del survivor
         assert gc.collect() > 0
@@ -63,7 +74,9 @@ def test_bench_times_steps_with_the_heap_frozen_and_reports_collections(monkeypa
     res = bench.bench_step(parse_arms(["a=tiny", "b=tiny"]), steps=20, warmup=0, common=SMALL)
     assert len(seen) == 40 and all(n > 0 for _, n in seen)
     assert gc.get_freeze_count() == 0  # thawed when the bench ends
-    assert res["gc"]["frozen_objects"] == seen[0][1]
+    # the count frozen, as the first timed step saw it; a frozen object freed in between (under
+    # pytest-xdist, by execnet's I/O thread) leaves the count, which never grows until a refreeze
+    assert 0 <= res["gc"]["frozen_objects"] - seen[0][1] <= 1000, (res["gc"]["frozen_objects"], seen[0][1])
     per_arm = res["gc"]["per_arm"]
     assert per_arm["a"]["count_by_generation"][2] == 0 and per_arm["b"]["count_by_generation"][2] >= 1
     assert "Python garbage collection during each arm's timed steps" in bench.render_table(res)

@@ -47,17 +47,29 @@ def test_tiny_record_recipe_learns(tmp_path):
     assert "step:21/21 val_loss:" in log
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_tiny_record(tmp_path_factory, builtin_cache):
+    """The final weights of the 12-step run never killed, which every resume test below compares
+    with: made once per module and worker (it is the same run whatever the stop)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPEEDRUN_CACHE_DIR", str(builtin_cache))
+        cfg = tiny_record(tmp_path_factory.mktemp("uninterrupted"), "train.checkpoint_every=1", "train.steps=12")
+        whole = train(cfg, console=False)
+    return torch.load(list_checkpoints(whole.run_dir)[-1], weights_only=False)["model"]
+
+
 @pytest.mark.parametrize("stop", [3, 5, 10])
-def test_tiny_record_resume_equals_uninterrupted(tmp_path, stop):
+def test_tiny_record_resume_equals_uninterrupted(tmp_path, uninterrupted_tiny_record, stop):
     """Kill after ``stop`` steps, resume from that checkpoint: the same weights as a run never
-    killed.  3: a stage boundary (stages start at 0, 3, 6, 9); 3 and 5: after an even step, when
-    Adam's gradients of two steps are half summed; 10: inside the extension."""
+    killed (that run is shared by the three stops).  3: a stage boundary (stages start at 0, 3, 6,
+    9); 3 and 5: after an even step, when Adam's gradients of two steps are half summed; 10: inside
+    the extension."""
     cfg = tiny_record(tmp_path, "train.checkpoint_every=1", "train.steps=12")
-    whole = train(cfg, console=False)
     cut = train(tiny_record(tmp_path, "train.checkpoint_every=1", "train.steps=12"), console=False, stop_after=stop)
     resumed = train(cfg, run_dir=cut.run_dir, resume=True, console=False)
-    a = torch.load(list_checkpoints(whole.run_dir)[-1], weights_only=False)["model"]
+    a = uninterrupted_tiny_record
     b = torch.load(list_checkpoints(resumed.run_dir)[-1], weights_only=False)["model"]
+    assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
 
