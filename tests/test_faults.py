@@ -442,7 +442,7 @@ def test_fp8_run_stopped_mid_stage_resumes_exactly(tmp_path, kernels_use_referen
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arm", ["candidate"])
+@pytest.mark.parametrize("arm", ["record", "candidate"])
 def test_fp8_run_resumes_exactly_through_the_triton_interpreter(tmp_path, one_thread, monkeypatch, arm):
     """The same through the Triton kernels themselves (interpreted on the CPU, so as few steps as
     can be): one 5-step run (stages starting at 0, 1, 3, 4) keeps every checkpoint; a new run
