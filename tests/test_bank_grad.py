@@ -139,13 +139,13 @@ def test_training_with_in_place_mlp_gradients_takes_the_same_steps(tmp_path, mon
     from speedrun.train.loop import train
 
     seen: dict[str, list] = {}
-    real_step = NorMuonAndAdam.step
+    real_prepare = NorMuonAndAdam.prepare  # reads the gradients the step is about to apply
 
     def spy(self, step_index, **kw):
         seen[mode].append(self.entries["mlp_bank"].param.grad.clone())
-        return real_step(self, step_index, **kw)
+        return real_prepare(self, step_index, **kw)
 
-    monkeypatch.setattr(NorMuonAndAdam, "step", spy)
+    monkeypatch.setattr(NorMuonAndAdam, "prepare", spy)
     products = {"autograd": 0, "accumulate": 0}  # the accumulate run must take the in-place route
     real_add = MLPBankGradAccumulator.add_product
 

@@ -179,15 +179,15 @@ def test_training_steps_flush_the_accumulated_gradients(tmp_path, monkeypatch):
 
     tables = ("embed", "value_embeds", "bigram_embed", "lm_head")
     seen: dict[str, dict] = {}
-    real_step = NorMuonAndAdam.step
+    real_prepare = NorMuonAndAdam.prepare  # reads the gradients the step is about to apply
 
     def spy(self, step_index, **kw):
         if step_index in (0, 1):
             seen[mode][step_index] = {t: (None if self.entries[t].param.grad is None else self.entries[t].param.grad.clone())
                                       for t in tables}
-        return real_step(self, step_index, **kw)
+        return real_prepare(self, step_index, **kw)
 
-    monkeypatch.setattr(NorMuonAndAdam, "step", spy)
+    monkeypatch.setattr(NorMuonAndAdam, "prepare", spy)
     for mode in ("autograd", "atomic"):
         seen[mode] = {}
         cfg = preset("tiny-record")
