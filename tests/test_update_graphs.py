@@ -33,12 +33,14 @@ class Schedule:
                                adam_step=step % 2 == 1, untie=step == UNTIE_AT)
 
 
-def _run(steps: int, graphs: bool, capture=RerunCapture):
+def _run(steps: int, graphs: bool, capturer=lambda params: RerunCapture(torch.device("cpu"))):
+    """``steps`` updates of the test optimizer, eager or through UpdateGraphs with
+    ``capturer(params)`` standing in for the capture."""
     params = make_params()
     opt = NorMuonAndAdam(params, TABLE, work_order=WORK, hyper=HYPER, schedule=Schedule(),
                          tied=("lm_head", "embed"))
     stats = GraphStats()
-    updates = UpdateGraphs(opt, lambda: capture(torch.device("cpu")), stats=stats) if graphs else None
+    updates = UpdateGraphs(opt, lambda: capturer(params), stats=stats) if graphs else None
     buffers = {k: torch.zeros_like(p) for k, p in params.items()}
     for step in range(steps):
         for k, p in params.items():  # the step's gradients, added to what an even step left
@@ -75,6 +77,10 @@ def test_replayed_updates_equal_the_eager_ones_bit_for_bit():
 
 def test_a_replay_that_computes_something_else_stops_the_run():
     class Poisoned(RerunCapture):
+        def __init__(self, params):
+            super().__init__(torch.device("cpu"))
+            self.params = params
+
         def capture(self, fn):
             def poisoned():
                 fn()
@@ -82,30 +88,8 @@ def test_a_replay_that_computes_something_else_stops_the_run():
 
             return super().capture(poisoned)
 
-    params_ref = {}
-
-    class Bound(Poisoned):
-        params = params_ref
-
-    def make(device):
-        return Bound(device)
-
     with pytest.raises(GraphMismatchError, match=r"optimizer update of step 3 \(with Adam.*in table "):
-        params = make_params()
-        params_ref.update(params)
-        opt = NorMuonAndAdam(params, TABLE, work_order=WORK, hyper=HYPER, schedule=Schedule(),
-                             tied=("lm_head", "embed"))
-        updates = UpdateGraphs(opt, lambda: make(torch.device("cpu")), stats=GraphStats())
-        buffers = {k: torch.zeros_like(p) for k, p in params.items()}
-        for step in range(4):
-            for k, p in params.items():
-                g = make_grads(0, step)[k]
-                if p.grad is None:
-                    buffers[k].copy_(g)
-                    p.grad = buffers[k]
-                else:
-                    p.grad.add_(g)
-            updates.launch(opt.prepare(step))
+        _run(4, graphs=True, capturer=Poisoned)
 
 
 def test_only_a_one_rank_normuon_optimizer_is_captured():

@@ -596,13 +596,12 @@ class NorMuonAndAdam:
         self.launch(self.prepare(step_index, lr_mult=lr_mult, muon_momentum=muon_momentum, do_adam=do_adam))
 
     def prepare(self, step_index: int, *, lr_mult: float | None = None, muon_momentum: float | None = None,
-                do_adam: bool | None = None, like: StepPlan | None = None) -> StepPlan:
+                do_adam: bool | None = None) -> StepPlan:
         """The host half of a step: which labels update (those holding a gradient, Adam ones on
         Adam steps, embed not while tied to lm_head), Adam's step counts advanced, and the step's
         values queued into ``step_values`` (one host-to-device copy).  Values not given come from
         the schedule (if one was passed), else from :meth:`set_lr_momentum`; ``do_adam`` defaults
-        to ``step_index`` being odd.  ``like``: take which labels update from this plan instead of
-        from the gradients (a replayed step, whose gradients appear only when it runs)."""
+        to ``step_index`` being odd."""
         settings = self.schedule.at(step_index) if self.schedule is not None else None
         if lr_mult is None:
             lr_mult = settings.lr_mult if settings is not None else self.lr_mult
@@ -612,16 +611,10 @@ class NorMuonAndAdam:
             do_adam = settings.adam_step if settings is not None else step_index % 2 == 1
         untie = bool(settings is not None and getattr(settings, "untie", False) and self.tied and not self.split_embed)
         lm_label, em_label = self.tied if (self.tied and not self.split_embed) else (None, None)
-        if like is not None:
-            if like.do_adam != do_adam or like.split_embed != self.split_embed or like.untie != untie:
-                raise ValueError(f"NorMuonAndAdam.prepare: step {step_index} does not have the structure of the "
-                                 f"plan it is asked to follow (step {like.step_index})")
-            stepping, fold = like.stepping, like.fold_embed
-        else:
-            stepping = tuple(lab for lab in self.order
-                             if not (self.entries[lab].spec.optim == "adam" and not do_adam)
-                             and self.entries[lab].param.grad is not None and lab != em_label)
-            fold = lm_label in stepping and self.entries[em_label].param.grad is not None
+        stepping = tuple(lab for lab in self.order
+                         if not (self.entries[lab].spec.optim == "adam" and not do_adam)
+                         and self.entries[lab].param.grad is not None and lab != em_label)
+        fold = lm_label in stepping and self.entries[em_label].param.grad is not None
         h = self.hyper
         base_lr = h.muon_lr * lr_mult
         values = [0.0] * self.step_values.buffer.numel()
