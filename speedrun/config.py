@@ -259,9 +259,9 @@ class TrainConfig:
     # clock); a mismatch stops the run.
     cuda_graph_check: bool = True
     # With cuda_graphs, the optimizer's update replayed as CUDA graphs too (one rank; its host half,
-    # which reads the schedule, stays eager: speedrun.train.update_graphs).  Off until it has run
-    # at the presets' shapes on a GPU (docs/status.md).
-    cuda_graph_optimizer: bool = False
+    # which reads the schedule, stays eager: speedrun.train.update_graphs).  Ignored where the
+    # update cannot be captured (several ranks, or an optimizer other than NorMuonAndAdam).
+    cuda_graph_optimizer: bool = True
     val_every: int = 50
     val_tokens: int = 32768
     # Tokens of each rank's validation batch (contiguous text, cut into documents at BOS; a

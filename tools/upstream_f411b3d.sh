@@ -35,6 +35,9 @@ decompress() {  # python's lzma: no dependence on the xz tool being installed
 }
 
 start_run() {
+  # upstream calls tiktoken.get_encoding("gpt2"), which downloads unless its cache is there
+  ls "$TIKTOKEN_DIR"/* > /dev/null 2>&1 || { echo "no tiktoken cache in $TIKTOKEN_DIR:" \
+    "copy ../shared/tokenizer/tiktoken_cache/ there (the GPU machine has no network)" >&2; return 1; }
   decompress || return 1
   python3 "$PATCHER" --src "$UP_SRC" --out "$UP" \
     --train-files "$DATA/webmix_train_*.bin" --val-files "$DATA/webmix_val_*.bin" "$@" | tee "$OUT/upstream_patch.txt"
