@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from speedrun.config import (CE_GRAD_LAYOUT_CHOICES, CE_SIGMOID_CHOICES, CUDA_GRAPHS_CHOICES, MLP_GEMM_CHOICES,
+from speedrun.config import (ATTENTION_BACKEND_CHOICES, CE_GRAD_LAYOUT_CHOICES, CE_SIGMOID_CHOICES, CUDA_GRAPHS_CHOICES, MLP_GEMM_CHOICES,
                              MODEL_CHOICES,
                              TRITON_LAUNCH_CHOICES, DataConfig, ModelConfig, RunConfig, Stage, TrainConfig)
 from speedrun.errors import ConfigError
@@ -123,7 +123,7 @@ RULES: dict[str, Rule] = {
     "model.softcap_b": Rule(float),
     "model.softcap_c": _pos_float(),
     "model.architecture": Rule(str, choices=MODEL_CHOICES["architecture"]),
-    "model.attention_backend": Rule(str, choices=("auto", "reference", "flex", "varlen", "fa3")),
+    "model.attention_backend": Rule(str, choices=ATTENTION_BACKEND_CHOICES),
     "model.kernels": Rule(str, choices=MODEL_CHOICES["kernels"]),
     "model.qkv_path": Rule(str, choices=MODEL_CHOICES["qkv_path"]),
     "model.fp8_input_scaling": Rule(str, choices=MODEL_CHOICES["fp8_input_scaling"]),

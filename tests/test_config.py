@@ -87,3 +87,21 @@ def test_config_problems_name_every_bad_field_with_its_range():
                         "train.log_every=True has type bool: must be an int >= 1"]
     with pytest.raises(ConfigError, match="bad configuration values: train.steps=0"):
         validate_config(cfg)
+
+
+def test_every_attention_backend_is_a_valid_config_value():
+    """``model.attention_backend`` accepts exactly "auto" and the backends speedrun.attention knows
+    (cudnn was once missing from the rule, so only "auto" could reach it)."""
+    from speedrun.attention import BACKENDS
+    from speedrun.config import ATTENTION_BACKEND_CHOICES
+    from speedrun.config_check import validate_config
+
+    assert set(ATTENTION_BACKEND_CHOICES) == {"auto", *BACKENDS}
+    for name in ATTENTION_BACKEND_CHOICES:
+        cfg = preset("record")
+        apply_overrides(cfg, [f"model.attention_backend={name}"])
+        validate_config(cfg)
+    cfg = preset("record")
+    apply_overrides(cfg, ["model.attention_backend=cuDNN"])
+    with pytest.raises(ConfigError, match="cudnn"):
+        validate_config(cfg)
