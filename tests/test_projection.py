@@ -69,12 +69,31 @@ def test_projection_refuses_incomplete_benches(tmp_path, capsys):
     s2_only_base = _bench(2, {"base": (base, [650.0] * 20)})
     with pytest.raises(ConfigError, match="no arm cand"):
         project([dict(s0, _path="a"), dict(s2_only_base, _path="b")])
-    with pytest.raises(ConfigError, match="two bench files for stage 0"):
+    with pytest.raises(ConfigError, match="arm 'base' is benched twice at stage 0"):
         project([dict(s0, _path="a"), dict(s0, _path="b")])
     bad = tmp_path / "x.json"
     bad.write_text(json.dumps({"nothing": 1}))
     assert main(["bench", "project", str(bad)]) == 2
     assert "not a 'speedrun bench step --json' file" in capsys.readouterr().err
+
+
+def test_arms_of_one_stage_may_come_from_separate_files():
+    """Arms benched in separate processes at a stage (two arms' graphs not fitting one GPU) add
+    up to that stage's arms, the same projection as one file holding both, flagged as not
+    interleaved."""
+    base, cand = _arms()
+    s0 = _bench(0, {"base": (base, [300.0] * 20), "cand": (cand, [400.0] * 20)})
+    s1 = _bench(1, {"base": (base, [500.0] * 20), "cand": (cand, [450.0] * 20)})
+    s2_base, s2_cand = _bench(2, {"base": (base, [650.0] * 20)}), _bench(2, {"cand": (cand, [590.0] * 20)})
+    together = _bench(2, {"base": (base, [650.0] * 20), "cand": (cand, [590.0] * 20)})
+    split = project([dict(d, _path=str(i)) for i, d in enumerate([s0, s1, s2_base, s2_cand])], n_boot=100)
+    joint = project([dict(d, _path=str(i)) for i, d in enumerate([s0, s1, together])], n_boot=100)
+    assert [a["seconds"] for a in split["arms"]] == [a["seconds"] for a in joint["arms"]]
+    assert split["separate_processes"] == [2] and joint["separate_processes"] == []
+    from speedrun.evidence.projection import render
+
+    assert "stage 2: arms benched in separate processes" in render(split)
+    assert "separate processes" not in render(joint)
 
 
 def test_configs_saved_by_older_versions_still_load():

@@ -270,7 +270,8 @@ def _add_bench(sub) -> None:
         epilog=_PROJECT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("files", nargs="+", type=Path, metavar="FILE",
-                   help="'speedrun bench step --json' files, one per stage, with the same arms")
+                   help="'speedrun bench step --json' files: every stage with the same arms (in one "
+                        "file, or split over several files of that stage)")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the projection as JSON")
     p.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples for the intervals (default 2000)")
     p.add_argument("--as-rank-of", type=int, default=None, metavar="N",

@@ -105,7 +105,9 @@ def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
 
     ``as_rank_of`` N: refuse files that are not ``--as-rank-of N`` benches.  Returns ``{"arms":
     [{"name", "seconds", "ci", "ratio", "ratio_ci", "stages": [...]}, ...], "baseline",
-    "unbenched", "world_size", "simulated", "world"}``, arms in the first file's order."""
+    "unbenched", "world_size", "simulated", "world", "separate_processes"}``, arms in the order
+    the files first name them; the baseline is the first.  Files of the same stage add their arms
+    (listed in "separate_processes": those arms were not interleaved)."""
     from speedrun.train.recipes import stages_of
 
     if not docs:
@@ -118,13 +120,23 @@ def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
     if as_rank_of is not None and (world, simulated) != (as_rank_of, True):
         raise ConfigError(f"--as-rank-of {as_rank_of}: the files are from {describe_world(world, simulated)}, "
                           f"not from 'bench step --as-rank-of {as_rank_of}'")
+    # Several files of one stage add their arms (arms benched in separate processes, e.g. when
+    # two arms' CUDA graphs do not fit on one GPU together): such a stage's arms were not
+    # interleaved, which the result records in "separate_processes".
     by_stage: dict[int, dict[str, dict]] = {}
+    files_per_stage: dict[int, int] = {}
+    names: list[str] = []
     for doc in docs:
         s = int(doc["stage"])
-        if s in by_stage:
-            raise ConfigError(f"two bench files for stage {s} ({doc['_path']}); give one per stage")
-        by_stage[s] = {a["name"]: a for a in doc["arms"]}
-    names = [a["name"] for a in docs[0]["arms"]]
+        arms = by_stage.setdefault(s, {})
+        files_per_stage[s] = files_per_stage.get(s, 0) + 1
+        for a in doc["arms"]:
+            if a["name"] in arms:
+                raise ConfigError(f"arm {a['name']!r} is benched twice at stage {s} ({doc['_path']}); "
+                                  "give each arm once per stage")
+            arms[a["name"]] = a
+            if a["name"] not in names:
+                names.append(a["name"])
     for s, arms in by_stage.items():
         missing = [n for n in names if n not in arms]
         if missing:
@@ -167,7 +179,8 @@ def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
         arm["ratio"] = arm["seconds"] / out_arms[0]["seconds"]
         arm["ratio_ci"] = _ci(draws[arm["name"]] / draws[base])
     return {"arms": out_arms, "baseline": base, "unbenched": unbenched, "n_boot": n_boot,
-            "world_size": world, "simulated": simulated, "world": describe_world(world, simulated)}
+            "world_size": world, "simulated": simulated, "world": describe_world(world, simulated),
+            "separate_processes": sorted(s for s, n in files_per_stage.items() if n > 1)}
 
 
 def _ci(x: np.ndarray) -> list[float]:
@@ -193,6 +206,8 @@ def render(res: dict[str, Any]) -> str:
                      + f" | {a['ratio']:.4f} [{a['ratio_ci'][0]:.4f}, {a['ratio_ci'][1]:.4f}] |")
     for i, src in sorted(res["unbenched"].items()):
         lines.append(f"(stage {i} was not benched: timed as stage {src}, the nearest earlier stage with its batch)")
+    for s in res.get("separate_processes", []):
+        lines.append(f"(stage {s}: arms benched in separate processes, not interleaved)")
     return "\n".join(lines) + "\n"
 
 
