@@ -153,9 +153,9 @@ def test_step_memory_accounting_with_a_stand_in_meter(monkeypatch):
     for _ in range(3):
         assert bench.time_step(sess, meter) == 1.0
     assert sess.step_peak_bytes == 80
-    assert bench._memory_fields(SimpleNamespace(resident_bytes=2**20, step_peak_bytes=2**21),
+    assert bench._memory_fields(SimpleNamespace(resident_bytes=2**20, step_peak_bytes=2**21, pool_bytes=2**22),
                                 SimpleNamespace(device=torch.device("cuda"), enabled=False)) == \
-        {"resident_mib": 1.0, "step_peak_mib": 2.0, "peak_mib": 3.0}
+        {"resident_mib": 1.0, "step_peak_mib": 2.0, "graph_pool_mib": 4.0, "peak_mib": 7.0}
 
 
 def test_chained_samples_time_k_steps_back_to_back(monkeypatch):

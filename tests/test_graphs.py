@@ -205,6 +205,42 @@ def test_graph_bookkeeping_takes_the_eager_steps(tmp_path, kernels_use_reference
     assert summary["eager_updates"] + summary["replayed_updates"] + summary["update_captures"] == 9, summary
 
 
+def test_runs_sharing_a_capturer_share_its_pool(tmp_path, kernels_use_references):
+    """Two runs given one capturer (the arms of a bench) capture into it, and each reports the
+    shared pool's size; without one, a run makes its own on first capture."""
+    from speedrun.train.graphs import RerunCapture, StepGraphs
+
+    class Pool(RerunCapture):
+        held = 0
+
+        def capture(self, fn):
+            Pool.held += 2**20  # each capture keeps one MiB reserved
+            return super().capture(fn)
+
+        def pool_bytes(self):
+            return Pool.held
+
+    shared = Pool(torch.device("cpu"))
+    sessions = [_session(tmp_path / n, RECORD) for n in ("a", "b")]
+    try:
+        for s in sessions:
+            s.graphs = StepGraphs(s.run_model, s.recipe, s.info.device, s.dtype, capture_with=RerunCapture,
+                                  capturer=shared)
+            assert s.graphs.pool_bytes() == Pool.held
+            for _ in range(STEPS_UNTIL_REPLAY):
+                s.step()
+        assert [s.graphs._capture_device() for s in sessions] == [shared, shared]
+        captures = sum(s.graphs.summary()["captures"] for s in sessions)
+        assert captures >= 2 and Pool.held == captures * 2**20
+        assert sessions[0].graphs.summary()["pool_mib"] == sessions[1].graphs.summary()["pool_mib"] == captures
+        own = StepGraphs(sessions[0].run_model, sessions[0].recipe, sessions[0].info.device, sessions[0].dtype,
+                         capture_with=RerunCapture)
+        assert own.pool_bytes() == 0 and own._capture_device() is not shared
+    finally:
+        for s in sessions:
+            s.close()
+
+
 def test_self_check_names_a_mismatch(tmp_path, kernels_use_references):
     """A replay that computes something else than the eager loop stops the run with the tensor."""
     from speedrun.train.graphs import GraphMismatchError, RerunCapture, StepGraphs

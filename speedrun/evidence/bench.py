@@ -19,8 +19,12 @@ the maximum over ranks (the slowest rank sets the pace).
 Reported per arm: median, quartiles and IQR of the step time (ms), global tokens per second at
 the median and, on CUDA, the arm's memory: ``resident_mib`` (what building and warming it up left
 allocated: weights, optimizer state, FP8 caches), ``step_peak_mib`` (the most a timed step
-allocated above what was allocated when it started) and their sum ``peak_mib``, the arm's peak
-as if it ran alone (the arms share one process, so the device's own peak mixes them); for each
+allocated above what was allocated when it started), ``graph_pool_mib`` (with CUDA graphs: what
+the graphs' memory pool grew by while the arm captured its steps; the arms share one pool, so this
+is the whole pool for the first arm with graphs and, for a later one, only what its steps need
+beyond the arms before it: bench an arm first or alone for its own figure) and their sum
+``peak_mib``, the arm's peak as if it ran alone (the arms share one process, so the device's
+own peak mixes them); for each
 arm after the first, the ratio of its median to the first arm's median with
 a paired bootstrap 95% confidence interval (repetitions resampled with replacement, the same
 indices for both arms, because repetition ``i`` of both arms ran back to back).
@@ -72,6 +76,7 @@ class Session:
     times_ms: dict[int, list[float]] = field(default_factory=dict)  # per chain length (see time_step)
     resident_bytes: int = 0  # allocated by building and warming up this arm (CUDA)
     step_peak_bytes: int = 0  # max over timed steps of (peak during the step - allocated at its start)
+    pool_bytes: int = 0  # what the shared CUDA-graph pool grew by while this arm captured its steps
     host_steps: list = field(default_factory=list)  # speedrun.evidence.host.StepTrace per traced step
     syncs: list | None = None  # synchronising calls of one step (find_syncs), None when not scanned
     graphs: Any = None  # speedrun.train.graphs.StepGraphs with train.cuda_graphs, as train() runs
@@ -98,14 +103,17 @@ class Session:
         self.loader.close()
 
 
-def build_session(name: str, cfg: RunConfig, stage_index: int, info, simulate_world: int | None = None) -> Session:
+def build_session(name: str, cfg: RunConfig, stage_index: int, info, simulate_world: int | None = None,
+                  capturer=None) -> Session:
     """``cfg``'s run (:func:`speedrun.train.builder.build_run`, as :func:`speedrun.train.loop.train`
     builds it) with the schedule at ``stages_of(cfg)[stage_index]``'s first step and a loader at
     that stage's shapes.
 
     ``simulate_world`` N: build rank 0 of an N-rank run in this one process instead
     (:func:`speedrun.distributed.simulated_rank`): its micro-batches, its loader slice and its 1/N
-    of the optimizer, collectives replaced by no-ops (:mod:`speedrun.optim.simcomms`)."""
+    of the optimizer, collectives replaced by no-ops (:mod:`speedrun.optim.simcomms`).
+    ``capturer``: the CUDA-graph stream and memory pool to share with other sessions
+    (:class:`speedrun.train.graphs.StepGraphs`)."""
     from speedrun.train.builder import build_run, grad_accum_steps
     from speedrun.train.graphs import StepGraphs, graphs_enabled
 
@@ -124,7 +132,7 @@ def build_session(name: str, cfg: RunConfig, stage_index: int, info, simulate_wo
     graphs = None
     if graphs_enabled(cfg.train.cuda_graphs, info.device):
         graphs = StepGraphs(run.run_model, run.recipe, info.device, run.dtype, check=cfg.train.cuda_graph_check,
-                            capture_updates=cfg.train.cuda_graph_optimizer)
+                            capture_updates=cfg.train.cuda_graph_optimizer, capturer=capturer)
     return Session(name, cfg, stage, run.stage_end(stage_index), run.model, run.run_model, run.recipe, loader,
                    info, run.dtype, graphs=graphs)
 
@@ -315,26 +323,33 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
         if len(values) > 1:
             raise ConfigError(f"train.{field} is process-wide: every arm of one bench must use the same value, got "
                               + ", ".join(f"{n}={getattr(cfg.train, field)}" for n, cfg, _ in configs))
-    from speedrun.train.graphs import STEPS_UNTIL_REPLAY, STEPS_UNTIL_UPDATE_REPLAY
+    from speedrun.train.graphs import STEPS_UNTIL_REPLAY, STEPS_UNTIL_UPDATE_REPLAY, CudaCapture
 
     info = distributed.setup(configs[0][1].train.device)
     meter = MemoryMeter(info.device)
     collections, frozen = CollectionMeter(), 0
     sessions: list[Session] = []
     sampler, clocks_note = _clock_sampler(info) if clocks else (None, "not sampled (--no-clocks)")
+    # One CUDA-graph stream and memory pool for every arm: the arms' steps never overlap, so the
+    # pool holds the largest arm's working set, not their sum (which does not fit one GPU at the
+    # record's stage-3 shapes).
+    capturer = CudaCapture(info.device) if info.device.type == "cuda" else None
     try:
         for name, cfg, _ in configs:
             before = meter.allocated()
-            sessions.append(build_session(name, cfg, stage, info, simulate_world))
+            sessions.append(build_session(name, cfg, stage, info, simulate_world, capturer=capturer))
             sessions[-1].resident_bytes = meter.allocated() - before
         for s in sessions:
             before = meter.allocated()
+            pool_before = s.graphs.pool_bytes() if s.graphs is not None else 0
             # with CUDA graphs, enough steps that every step key of the stage is captured
             until = 0 if s.graphs is None else STEPS_UNTIL_REPLAY if s.graphs.updates is None else STEPS_UNTIL_UPDATE_REPLAY
             for _ in range(max(warmup, until)):
                 s.step()
             distributed.barrier(info)
             s.resident_bytes += meter.allocated() - before  # optimizer state, FP8 caches, grads kept
+            if s.graphs is not None:
+                s.pool_bytes = s.graphs.pool_bytes() - pool_before
         frozen = freeze_long_lived() if configs[0][1].train.gc_freeze else 0
         collections.__enter__()
         if sampler is not None:
@@ -489,14 +504,14 @@ def _clock_sampler(info):
 def _memory_fields(s: Session, info) -> dict[str, float | None]:
     """The arm's memory in MiB (CUDA; None elsewhere), the maximum over ranks."""
     if info.device.type != "cuda":
-        return {"resident_mib": None, "step_peak_mib": None, "peak_mib": None}
-    vals = [s.resident_bytes, s.step_peak_bytes]
+        return {"resident_mib": None, "step_peak_mib": None, "graph_pool_mib": None, "peak_mib": None}
+    vals = [s.resident_bytes, s.step_peak_bytes, s.pool_bytes]
     if info.enabled:
         gathered: list = [None] * info.world_size
         torch.distributed.all_gather_object(gathered, vals)
         vals = [max(col) for col in zip(*gathered)]
     mib = [v / 2**20 for v in vals]
-    return {"resident_mib": mib[0], "step_peak_mib": mib[1], "peak_mib": mib[0] + mib[1]}
+    return {"resident_mib": mib[0], "step_peak_mib": mib[1], "graph_pool_mib": mib[2], "peak_mib": sum(mib)}
 
 
 def render_table(result: dict[str, Any]) -> str:
@@ -534,7 +549,10 @@ def render_table(result: dict[str, Any]) -> str:
                        f"{g['update_captures']} captured" if "update_captures" in g else "")
             lines.append(f"cuda graphs, {a['name']}: {g['replayed_steps']} steps replayed, {g['eager_steps']} eager, "
                          f"{g['captures']} captured{updates}, worst self-check relative error "
-                         f"{g['check_worst_rel_err']:.2g}" + "".join(f"; {c}" for c in g["key_changes"]))
+                         f"{g['check_worst_rel_err']:.2g}"
+                         + (f"; graph pool grew {a['graph_pool_mib']:,.0f} MiB" if a.get("graph_pool_mib") is not None
+                            else "")
+                         + "".join(f"; {c}" for c in g["key_changes"]))
     for w in result["warnings"]:
         lines.append(f"warning: {w}")
     return "\n".join(lines) + "\n"

@@ -257,6 +257,15 @@ class CudaCapture:
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
+    def pool_bytes(self) -> int:
+        """Bytes the graphs' memory pool holds (its segments, free blocks included: the allocator's
+        ``memory_allocated`` counts only the tensors alive in it, while the pool keeps the whole
+        working set of every captured step reserved for its replays)."""
+        pool = tuple(self.pool)
+        index = torch.cuda.current_device() if self.device.index is None else self.device.index
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                   if seg["device"] == index and tuple(seg["segment_pool_id"]) == pool)
+
 
 class RerunCapture:
     """A stand-in for :class:`CudaCapture` off the GPU (tests): capturing runs the function once
@@ -283,6 +292,9 @@ class RerunCapture:
     def reset_peak(self) -> None:
         pass
 
+    def pool_bytes(self) -> int:
+        return 0
+
 
 class _Rerun:
     def __init__(self, fn: Callable[[], None]):
@@ -301,18 +313,22 @@ class StepGraphs:
     model, recipe: the run's (the recipe's ``after_backward`` runs inside the loop, and its
     optimizer is walked for the address fingerprint).  pause: a context manager factory the capture
     and its check run inside (the training loop stops its clock there).  check: compare each
-    graph's first replay with the eager loop."""
+    graph's first replay with the eager loop.  capturer: a :class:`CudaCapture` (stream and memory
+    pool) shared with other runs of this process whose steps never run concurrently with these
+    (the arms of one bench): their pool then holds the largest step's working set instead of each
+    run's own."""
 
     def __init__(self, model, recipe, device: torch.device, dtype: torch.dtype, *,
                  pause: Callable[[], contextlib.AbstractContextManager] | None = None, check: bool = True,
-                 capture_with: Callable[[torch.device], Any] | None = None, capture_updates: bool = True):
+                 capture_with: Callable[[torch.device], Any] | None = None, capture_updates: bool = True,
+                 capturer=None):
         if capture_with is None:
             if device.type != "cuda":
                 raise ConfigError(f"CUDA graphs need a CUDA device, got {device}")
             capture_with = CudaCapture
         self.model, self.recipe, self.device, self.dtype = model, recipe, device, dtype
         self._capture_with = capture_with
-        self._capturer = None
+        self._capturer = capturer
         self.pause = pause or contextlib.nullcontext
         self.check = check
         self.stats = GraphStats()
@@ -363,11 +379,17 @@ class StepGraphs:
         out = {"graphs": len(self._steps), "replayed_steps": s.replayed_steps, "eager_steps": s.eager_steps,
                "captures": s.captures, "capture_s": round(s.capture_s, 3), "check_worst_rel_err": s.check_worst,
                "check_eager_noise": s.check_noise,
-               "key_changes": list(s.key_changes)}
+               "key_changes": list(s.key_changes),
+               "pool_mib": round(self.pool_bytes() / 2**20, 1)}
         if self.updates is not None:
             out.update(self.updates.summary(), replayed_updates=s.replayed_updates, eager_updates=s.eager_updates,
                        update_captures=s.update_captures)
         return out
+
+    def pool_bytes(self) -> int:
+        """Bytes held by the graphs' memory pool (0 before the first capture; shared with the
+        other users of a shared ``capturer``)."""
+        return 0 if self._capturer is None else self._capturer.pool_bytes()
 
     def _capture_device(self):
         """The capturer both kinds of graph use (one stream, one memory pool), made on first use."""

@@ -565,7 +565,9 @@ def _finish(run: Run, run_dir: Path, log: RunLog, last_val: float, train_ms: flo
         # the graph self-checks' snapshots are not the run's memory: their peaks are left out
         peak = max(torch.cuda.max_memory_allocated(device), graphs.stats.peak_allocated if graphs else 0) // 2**20
         reserved = torch.cuda.max_memory_reserved(device) // 2**20
-        log.print(f"peak memory allocated: {peak} MiB reserved: {reserved} MiB")
+        # a graph pool's free blocks are reserved, not allocated: its size is the graphs' share
+        pool = f" (CUDA graph pool: {graphs.pool_bytes() // 2**20} MiB)" if graphs else ""
+        log.print(f"peak memory allocated: {peak} MiB reserved: {reserved} MiB{pool}")
     sample = _sample(run.model, run.tokenizer, cfg, device, run.stages[-1].window_short)
     if sample:
         (run_dir / "sample.txt").write_text(sample, encoding="utf-8")
