@@ -16,7 +16,7 @@ import torch
 
 import speedrun
 from speedrun.evidence.equivalence import compare_runs, render
-from speedrun.train.checkpoint import list_checkpoints
+from speedrun.train.checkpoint import list_checkpoints, rank_state_path
 
 COMMON = ["train", "--preset", "tiny-record", "--steps", "5", "--quiet",
           "--set", "model.num_layers=4", "--set", "model.model_dim=32", "--set", "model.num_heads=2",
@@ -56,8 +56,9 @@ def test_two_ranks_equal_one_rank_with_accumulation(tmp_path, builtin_cache):
 def test_two_rank_resume_equals_uninterrupted(tmp_path, builtin_cache):
     """Resume under torchrun: each rank's sharded optimizer state, its half-summed Adam gradients
     (the checkpoint after step 3 falls between two Adam steps) and its FP8 activation scales come
-    back, so the resumed run ends on the very weights of the uninterrupted one.  (Kernels run
-    their PyTorch references here: the interpreter would make this minutes long.)"""
+    back, so the resumed run ends on the very weights of the uninterrupted one, and with the
+    bigram rows each rank marked for the sparse exchange.  (Kernels run their PyTorch references
+    here: the interpreter would make this minutes long.)"""
     env = {"SPEEDRUN_CACHE_DIR": str(builtin_cache), "TRITON_INTERPRET": "0"}
     args = COMMON + ["--out", str(tmp_path / "whole"), "--set", "train.checkpoint_every=3",
                      "--set", "model.kernels=fp8_full", "--set", "model.qkv_path=fused_fp8"]
@@ -75,3 +76,8 @@ def test_two_rank_resume_equals_uninterrupted(tmp_path, builtin_cache):
     assert got["step"] == 5
     for k in want["model"]:
         assert torch.equal(want["model"][k], got["model"][k]), k
+    for rank in range(2):  # the bigram rows each rank's loop marked on the host since the Adam step
+        marks = [torch.load(rank_state_path(r, 5, rank), weights_only=False)["optimizer"]["touched"]["bigram_embed"]
+                 for r in (run, cut)]
+        assert marks[0].device.type == "cpu" and 0 < int(marks[0].sum()) < len(marks[0])
+        assert torch.equal(marks[0], marks[1])

@@ -29,7 +29,7 @@ CANDIDATE = ("model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_hea
              "model.fp8_input_scaling=delayed", "model.qk_prep_fp8_grad=true")
 
 
-def _session(tmp_path, switches, stage=0):
+def _session(tmp_path, switches, stage=0, simulate_world=None):
     from speedrun import distributed
     from speedrun.evidence.bench import build_session
 
@@ -38,7 +38,7 @@ def _session(tmp_path, switches, stage=0):
                           "train.batch_divisor=1024", "train.steps=24", "train.num_extension=3",
                           f"out_dir={tmp_path / 'runs'}", *switches])
     info = distributed.setup(cfg.train.device)
-    return build_session("arm", cfg, stage, info)
+    return build_session("arm", cfg, stage, info, simulate_world=simulate_world)
 
 
 def _keys(session, steps: int):
@@ -52,7 +52,7 @@ def _keys(session, steps: int):
         session.recipe.before_step(step)
         args = session.recipe.forward_args(step)
         mb = micro_batching(session.stage, session.cfg, session.info.world_size)
-        keys.append(step_key(session.model, session.recipe, [batch] * mb.count, args, 1.0 / mb.count))
+        keys.append(step_key(session.model, [batch] * mb.count, args, 1.0 / mb.count))
         session.step()
     return keys
 
@@ -239,6 +239,47 @@ def test_runs_sharing_a_capturer_share_its_pool(tmp_path, kernels_use_references
     finally:
         for s in sessions:
             s.close()
+
+
+def test_bigram_rows_are_marked_once_per_micro_batch_eager_or_replayed(tmp_path, kernels_use_references):
+    """On several ranks (rank 0 of 2, simulated) the record recipe marks each micro-batch's bigram
+    rows for the sparse exchange on the host as the batch is fetched, from the loader's host copy:
+    once per micro-batch and step whether the loop runs eagerly, is captured or is replayed (a
+    mark inside the captured loop would run at capture time only, and several times there), and
+    the graphs train as the eager loop does."""
+    from speedrun.train.graphs import RerunCapture, StepGraphs
+    from speedrun.train.loop import micro_batching
+
+    steps = STEPS_UNTIL_REPLAY + 2
+    runs = []
+    for graphs in (False, True):
+        session = _session(tmp_path / str(graphs), (*RECORD, "train.grad_accum=2"), simulate_world=2)
+        if graphs:
+            session.graphs = StepGraphs(session.run_model, session.recipe, session.info.device, session.dtype,
+                                        capture_with=RerunCapture)
+        opt, marks = session.optimizer, []
+        real = opt.mark_rows
+        opt.mark_rows = lambda label, rows: marks.append((label, rows.clone())) or real(label, rows)
+        count = micro_batching(session.stage, session.cfg, session.info.world_size).count
+        per_step = []
+        try:
+            for _ in range(steps):
+                before = len(marks)
+                loss = float(session.step())
+                per_step.append((len(marks) - before, loss))
+        finally:
+            session.close()
+        assert count > 1 and [n for n, _ in per_step] == [count] * steps, per_step
+        assert all(label == "bigram_embed" and rows.device.type == "cpu" for label, rows in marks)
+        assert opt.entries["bigram_embed"].comms == "sharded_sparse"
+        runs.append((per_step, [rows for _, rows in marks], dict(session.model.state_dict())))
+        if graphs:
+            assert session.graphs.summary()["replayed_steps"] == steps - STEPS_UNTIL_REPLAY
+    (eager_steps, eager_rows, eager_w), (graph_steps, graph_rows, graph_w) = runs
+    assert graph_steps == eager_steps
+    assert all(torch.equal(a, b) for a, b in zip(eager_rows, graph_rows))
+    for k in eager_w:
+        assert torch.equal(eager_w[k], graph_w[k]), k
 
 
 def test_self_check_names_a_mismatch(tmp_path, kernels_use_references):

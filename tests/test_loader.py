@@ -290,7 +290,27 @@ def test_batches_carry_bigram(shards):
     files, _ = shards
     b = TrainLoader(files, 64, 32, bos_id=BOS, bigram_mod=1000, prefetch=False).next_batch()
     assert torch.equal(b.bigram, bigram_hash(b.inputs, 1000))
-    assert TrainLoader(files, 64, 32, bos_id=BOS, prefetch=False).next_batch().bigram is None
+    assert b.bigram_host is b.bigram  # a CPU batch's ids are on the host already
+    plain = TrainLoader(files, 64, 32, bos_id=BOS, prefetch=False).next_batch()
+    assert plain.bigram is None and plain.bigram_host is None
+
+
+@pytest.mark.parametrize("merge", [1, 3])
+def test_batches_keep_a_host_copy_of_the_bigram_ids(shards, merge):
+    """Batches moved to a device keep their bigram ids on the host as well ((T,) int32 CPU
+    tensors, the ids the device got), training and validation batches alike.  The meta device
+    stands in for a GPU: the tensors move there, so the values are compared with a CPU loader's."""
+    files, _ = shards
+    kw = dict(bos_id=BOS, bigram_mod=97, merge=merge, prefetch=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        on_cpu, moved = TrainLoader(files, 64, 32, **kw), TrainLoader(files, 64, 32, device="meta", **kw)
+        pairs = [(on_cpu.next_batch(), moved.next_batch()) for _ in range(4)]
+    val = [ValLoader(files, 256, 64, bos_id=BOS, bigram_mod=97, device=d).batch(1) for d in ("cpu", "meta")]
+    for want, got in pairs + [tuple(val)]:
+        assert got.bigram.device.type == "meta" and got.bigram.shape == want.bigram.shape == (want.inputs.numel(),)
+        assert got.bigram_host.device.type == "cpu" and got.bigram_host.dtype == torch.int32
+        assert torch.equal(got.bigram_host, want.bigram)
 
 
 def test_val_loader(tmp_path):

@@ -1,10 +1,13 @@
-"""NorMuon + Adam: update math, mantissa tracking, odd-step Adam, tying, and 2-rank gloo == 1 rank."""
+"""NorMuon + Adam: update math, mantissa tracking, odd-step Adam, tying, the host-side row marks
+of the sparse exchange, and 2-rank gloo == 1 rank."""
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -201,8 +204,10 @@ def run_steps(opt: NorMuonAndAdam, params, grads_per_step, mark_sparse: bool) ->
     for step, grads in enumerate(grads_per_step):
         for k, p in params.items():
             p.grad = grads[k].clone() if p.grad is None else p.grad + grads[k]
-        if mark_sparse:
-            opt.mark_rows("bigram", torch.tensor(sorted(SPARSE_ROWS[opt.comms.rank])))
+        if mark_sparse:  # host rows as a training step marks them: per micro-batch, numpy or CPU tensors
+            rows = SPARSE_ROWS[opt.comms.rank]
+            opt.mark_rows("bigram", np.array(rows[:2], dtype=np.int32))
+            opt.mark_rows("bigram", torch.tensor(rows[1:], dtype=torch.int32))
         opt.step(step, lr_mult=0.8, muon_momentum=0.9)
 
 
@@ -258,6 +263,74 @@ def test_state_dict_roundtrip_and_reset():
     assert torch.equal(opt.entries["bank"].state["momentum_buffer"], snap["labels"]["bank"]["momentum_buffer"])
 
 
+def test_mark_rows_keeps_host_marks_until_the_adam_step():
+    """Rank 0 of 2 (simulated): marks from numpy arrays and CPU tensors of any integer dtype and
+    shape land in a host mask; a tensor elsewhere is refused (the meta device stands in for a GPU)
+    at any world size; tables not exchanged sparsely, and every table on one rank, keep no marks;
+    the marks survive an even step, are cleared by the Adam step and round-trip through
+    state_dict as CPU bool tensors (an older checkpoint's bool tensor loads as a fresh host mask)."""
+    from speedrun.optim.simcomms import SimulatedComms
+
+    params = make_params()
+    opt = NorMuonAndAdam(params, TABLE, work_order=WORK, hyper=HYPER, comms=SimulatedComms(2, 0))
+    opt.mark_rows("bigram", np.array([0, 5], dtype=np.int32))
+    opt.mark_rows("bigram", torch.tensor([[5, 7]]))
+    opt.mark_rows("table", np.array([1]))
+    assert list(opt._touched) == ["bigram"] and isinstance(opt._touched["bigram"], np.ndarray)
+    assert np.flatnonzero(opt._touched["bigram"]).tolist() == [0, 5, 7]
+    with pytest.raises(ValueError, match="must be on the host"):
+        opt.mark_rows("bigram", torch.tensor([1], device="meta"))
+
+    sd = copy.deepcopy(opt.state_dict())
+    assert sd["touched"]["bigram"].dtype == torch.bool and sd["touched"]["bigram"].device.type == "cpu"
+    opt.reset()
+    assert not opt._touched
+    opt.load_state_dict(sd)
+    assert np.flatnonzero(opt._touched["bigram"]).tolist() == [0, 5, 7]
+    old = dict(sd, touched={"bigram": torch.tensor([True] + [False] * 7)})
+    opt.load_state_dict(old)
+    old["touched"]["bigram"][1] = True  # the optimizer holds its own copy
+    assert np.flatnonzero(opt._touched["bigram"]).tolist() == [0]
+    with pytest.raises(ValueError, match="does not match"):
+        opt.load_state_dict(dict(sd, touched={"bigram": torch.zeros(9, dtype=torch.bool)}))
+
+    opt.mark_rows("bigram", [3])
+    for step in range(2):
+        for k, p in params.items():
+            p.grad = make_grads(0, step)[k] if p.grad is None else p.grad + make_grads(0, step)[k]
+        opt.step(step, lr_mult=0.8, muon_momentum=0.9)
+        assert opt._touched["bigram"].any() == (step == 0), step
+
+    solo = NorMuonAndAdam(make_params(), TABLE, work_order=WORK, hyper=HYPER)
+    solo.mark_rows("bigram", np.array([1]))
+    assert not solo._touched
+    with pytest.raises(ValueError, match="must be on the host"):
+        solo.mark_rows("bigram", torch.tensor([1], device="meta"))
+
+
+def test_counts_travel_by_a_cpu_group(monkeypatch):
+    """The sparse exchange's counts are host tensors: beside an NCCL group (GPU tensors only) they
+    take a gloo group over the same ranks, made once, at the first exchange; a gloo group carries
+    them itself."""
+    import torch.distributed as dist
+
+    from speedrun.optim.normuon import _Comms
+
+    made, used = [], []
+    monkeypatch.setattr(dist, "new_group", lambda ranks=None, backend=None: made.append((ranks, backend)) or "cpu")
+    monkeypatch.setattr(dist, "all_to_all_single",
+                        lambda out, inp, group=None: used.append(group) or out.copy_(inp.flip(0)))
+    comms = _Comms()
+    comms.world, comms.nccl = 2, True  # stands in for an NCCL group of two ranks
+    for _ in range(2):
+        got = comms.exchange_counts(torch.tensor([0, 3]))
+    assert torch.equal(got, torch.tensor([3, 0]))
+    assert made == [(None, "gloo")] and used == ["cpu", "cpu"]
+    comms.nccl = False
+    comms.exchange_counts(torch.tensor([0, 3]))
+    assert made == [(None, "gloo")] and used[-1] is None  # the group itself
+
+
 def test_schedule_object_drives_the_step():
     from speedrun.optim.schedule import RecordSchedule
 
@@ -290,7 +363,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         params = make_params()
         opt = NorMuonAndAdam(params, TABLE, work_order=WORK, hyper=HYPER, tied=("lm_head", "embed"))
+        sparse = []
+        real = opt._sparse_reduce
+        opt._sparse_reduce = lambda e: sparse.append(e.spec.label) or real(e)
         run_steps(opt, params, [make_grads(rank, 0), make_grads(rank, 1)], mark_sparse=True)
+        assert sparse == ["bigram"] and not opt._touched["bigram"].any()  # exchanged sparsely, marks cleared
         opt.untie()
         full_embed_m = torch.empty(10, 4)
         dist.all_gather_into_tensor(full_embed_m, opt.entries["embed"].state["exp_avg"].contiguous())

@@ -77,6 +77,10 @@ class Batch:
     ``inputs[i]``.  cu_seqlens: (max_docs + 1,) int32 segment starts in [0, T), then T, padded
     with T.  max_seqlen: upper bound on a segment length (tokens).  num_docs: real segments
     (unpadded ``len(cu_seqlens) - 1``).  bigram: (T,) int32 bigram-hash ids or None.
+    bigram_host: the same ids on the host, a (T,) int32 CPU tensor (pinned for a CUDA batch,
+    ``bigram`` itself for a CPU one), None with ``bigram``.  The loader builds the ids there
+    before moving them, so keeping them costs nothing; the rows each micro-batch touches are
+    marked from them for the sparse bigram exchange without reading the device.
     """
 
     inputs: torch.Tensor
@@ -85,6 +89,7 @@ class Batch:
     max_seqlen: int
     num_docs: int
     bigram: torch.Tensor | None = None
+    bigram_host: torch.Tensor | None = None
 
 
 def min_max_docs(tokens_per_rank: int, max_seq_len: int) -> int:
@@ -192,10 +197,12 @@ def _host_arrays(chunks: list[np.ndarray], bounds: list[np.ndarray], max_docs: i
 
 
 def _to_batch(host: dict[str, torch.Tensor | None], num_docs: int, max_seqlen: int, device: torch.device) -> Batch:
+    out = host
     if device.type != "cpu":
         nb = device.type == "cuda"  # host tensors are pinned then
-        host = {k: None if t is None else t.to(device, non_blocking=nb) for k, t in host.items()}
-    return Batch(host["inputs"], host["targets"], host["cu_seqlens"], int(max_seqlen), int(num_docs), host["bigram"])
+        out = {k: None if t is None else t.to(device, non_blocking=nb) for k, t in host.items()}
+    return Batch(out["inputs"], out["targets"], out["cu_seqlens"], int(max_seqlen), int(num_docs), out["bigram"],
+                 bigram_host=host["bigram"])
 
 
 def _check_files(files, what: str) -> list[Path]:

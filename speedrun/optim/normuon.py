@@ -21,7 +21,9 @@ initialised): "sharded" parameters are reduce-scattered (banks split along their
 padded with zero matrices up to a multiple of the world size), each rank updates its own shard,
 then all-gathered; "replicated" parameters are all-reduced and updated everywhere;
 "sharded_sparse" (the bigram table) sends only the rows each rank touched since the last Adam
-step to their owners (all_to_all) and adds them into the owner's shard.  NCCL uses
+step to their owners (all_to_all) and adds them into the owner's shard; the touched rows are
+marked on the host (:meth:`NorMuonAndAdam.mark_rows`) and the message sizes exchanged by a CPU
+collective, so the exchange never makes the host wait for the device.  NCCL uses
 reduce_scatter/all_gather with AVG; other backends (gloo, for CPU tests) fall back to all_reduce
 SUM + slice and list all_gather.
 
@@ -34,6 +36,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -307,6 +310,24 @@ class _Pending:
         return self.finish()
 
 
+def _to_device(a: np.ndarray, device: torch.device) -> Tensor:
+    """Host array ``a`` on ``device`` without the host waiting: on CUDA from pinned memory,
+    non-blocking (the caching host allocator keeps the pinned copy until the transfer has run)."""
+    t = torch.from_numpy(a)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _host_mask(saved: Any, label: str, rows: int) -> np.ndarray:
+    """A saved sparse row mark as the optimizer keeps it: a fresh (rows,) bool numpy array.
+    Checkpoints hold a bool CPU tensor, older ones a bool tensor on the device they ran on."""
+    mask = np.array(saved.detach().cpu() if isinstance(saved, Tensor) else saved, dtype=np.bool_)
+    if mask.shape != (rows,):
+        raise ValueError(f"state_dict touched rows of {label}: shape {mask.shape} does not match ({rows},)")
+    return mask
+
+
 def _finish(gather: tuple[_Pending | None, Callable[[], None] | None]) -> None:
     fut, fin = gather
     if fut is not None:
@@ -322,6 +343,7 @@ class _Comms:
         self.world = dist.get_world_size(group) if self.active else 1
         self.rank = dist.get_rank(group) if self.active else 0
         self.nccl = self.active and dist.get_backend(group) == "nccl"
+        self._cpu = None  # the gloo group beside an NCCL one (see _cpu_group)
 
     def all_reduce_avg(self, t: Tensor) -> _Pending:
         if self.nccl:
@@ -355,10 +377,23 @@ class _Comms:
                                input_split_sizes=in_splits, group=self.group)
 
     def exchange_counts(self, send_counts: Tensor) -> Tensor:
-        """int64 (world,): how many items every rank sends this rank, given what this rank sends each."""
+        """int64 (world,) CPU tensors: how many items every rank sends this rank, given what this
+        rank sends each.  A collective on the host (:meth:`_cpu_group`): it waits for the other
+        ranks' hosts, never for a device."""
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        dist.all_to_all_single(recv_counts, send_counts, group=self._cpu_group())
         return recv_counts
+
+    def _cpu_group(self) -> Any:
+        """The group for CPU tensors: ``group`` itself unless it is NCCL (GPU tensors only), else a
+        gloo group over the same ranks, made on first use.  Making it is collective over the whole
+        world: every rank asks at the same step (the first sparse exchange)."""
+        if not self.nccl:
+            return self.group
+        if self._cpu is None:
+            ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+            self._cpu = dist.new_group(ranks=ranks, backend="gloo")
+        return self._cpu
 
 
 # ------------------------------------------------------------------------------------------------
@@ -474,7 +509,8 @@ class NorMuonAndAdam:
         self.split_embed = False
         self.lr_mult = 1.0
         self.muon_momentum = self.hyper.muon_momentum
-        self._touched: dict[str, Tensor] = {}
+        # "sharded_sparse" label -> (rows,) bool host mask: rows marked since the last Adam step
+        self._touched: dict[str, np.ndarray] = {}
         # the step's values on the device: slots 0, 1 NorMuon's base lr and momentum, then one slot
         # (weight decay) per NorMuon label and two (step size, decay) per Adam label, table order
         self._slots: dict[str, int] = {}
@@ -564,22 +600,31 @@ class NorMuonAndAdam:
         if muon_momentum is not None:
             self.muon_momentum = float(muon_momentum)
 
-    def mark_rows(self, label: str, rows: Tensor) -> None:
-        """Record that this rank's ``label`` gradient may be non-zero in ``rows`` (dim-0 indices).
+    def mark_rows(self, label: str, rows: Tensor | np.ndarray) -> None:
+        """Record that this rank's ``label`` gradient may be non-zero in ``rows``: dim-0 indices
+        (any integer dtype and shape) on the host, a CPU tensor or a numpy array.
 
-        For "sharded_sparse" tables: call every step with the rows the forward touched (e.g. the
-        bigram ids of the batch); the next Adam step exchanges only those rows.  A table with no
-        marked rows falls back to the dense reduce-scatter, which is always correct.  Does nothing
-        for tables not exchanged sparsely (one rank: nothing is exchanged).
+        For "sharded_sparse" tables: call once per micro-batch with the rows its forward looks up
+        (the loader's host copy of the bigram ids, ``Batch.bigram_host``); the next Adam step
+        exchanges only the rows marked since the last one.  A table with no marked rows falls back
+        to the dense reduce-scatter, which is always correct.  Host work only, outside any CUDA
+        graph.  Rows on a GPU are refused, since reading them would make the host wait for the
+        device, at any world size (a mistake shows on one GPU too); apart from that check, nothing
+        happens for tables not exchanged sparsely (one rank: nothing is exchanged).
         """
+        if isinstance(rows, Tensor):
+            if rows.device.type != "cpu":
+                raise ValueError(f"NorMuonAndAdam.mark_rows({label!r}): rows must be on the host (a CPU tensor "
+                                 f"or a numpy array), got a tensor on {rows.device}; reading it would make "
+                                 "the host wait for the device (pass the loader's host copy, Batch.bigram_host)")
+            rows = rows.numpy()
         e = self.entries[label]
         if e.comms != "sharded_sparse":
             return
-        if label not in self._touched:
-            self._touched[label] = torch.zeros(e.param.shape[0], dtype=torch.bool, device=e.param.device)
-        # index_fill_, not ``t[idx] = True``: that copies the Python scalar to the device with a
-        # blocking copy, a synchronisation per micro-batch (speedrun bench step --sync-scan).
-        self._touched[label].index_fill_(0, rows.to(device=e.param.device, dtype=torch.long).reshape(-1), True)
+        mask = self._touched.get(label)
+        if mask is None:
+            mask = self._touched[label] = np.zeros(e.param.shape[0], dtype=np.bool_)
+        mask[np.asarray(rows).reshape(-1)] = True
 
     def zero_grad(self) -> None:
         """Drop every gradient (including Adam's accumulated ones)."""
@@ -642,16 +687,20 @@ class NorMuonAndAdam:
 
     def release_grads(self, plan: StepPlan) -> None:
         """Set the gradients the step consumed to None (NorMuon's always, Adam's on Adam steps;
-        Adam's are kept on other steps so the next backward adds to them).  Host-side only."""
+        Adam's are kept on other steps so the next backward adds to them) and, on Adam steps,
+        clear the sparse row marks that went with Adam's.  Host-side only."""
         for e in self.entries.values():
             if e.spec.optim == "normuon" or plan.do_adam:
                 e.param.grad = None
+        if plan.do_adam:
+            for mask in self._touched.values():
+                mask.fill(False)
 
     @torch.no_grad()
     def launch_kernels(self, plan: StepPlan) -> None:
         """Reductions, updates (reading the values :meth:`prepare` wrote) and gathers in the order
-        of the table and work order, and the sparse row marks zeroed on Adam steps: every kernel
-        of the step and nothing host-side (so a CUDA graph of it replays the whole update)."""
+        of the table and work order: every kernel of the step (so a CUDA graph of it replays the
+        whole update on one rank; on several, the sparse exchange sizes its messages on the host)."""
         lm_label, em_label = self.tied if (self.tied and not plan.split_embed) else (None, None)
         vals = self.step_values.buffer
         base_lr, momentum = vals[0], vals[1]
@@ -690,9 +739,6 @@ class NorMuonAndAdam:
         # Phase 3: finish gathers.
         for gather in gathers:
             _finish(gather)
-        if plan.do_adam:  # zeroed in place, not dropped: a captured step marks rows into these tensors
-            for rows in self._touched.values():
-                rows.zero_()
 
     def _launch_reduce(self, e: _Entry):
         g = e.param.grad
@@ -713,14 +759,18 @@ class NorMuonAndAdam:
         return _Pending(None, lambda: g)
 
     def _sparse_reduce(self, e: _Entry) -> Tensor:
-        """Average the touched rows of a row-sharded table's gradient into this rank's shard."""
+        """Average the touched rows of a row-sharded table's gradient into this rank's shard.
+
+        Sized on the host: the rows come from the host marks (:meth:`mark_rows`), the counts each
+        rank receives from a CPU collective, so the host never waits for the device here."""
         g, W, rank, chunk = e.param.grad, self.comms.world, self.comms.rank, e.chunk
-        rows = self._touched[e.spec.label].nonzero().view(-1)
-        owner = torch.div(rows, chunk, rounding_mode="floor")
-        send = rows[owner != rank]  # our own rows are already in our shard of g
-        send_counts = torch.bincount(owner[owner != rank], minlength=W).to(torch.int64)
-        recv_counts = self.comms.exchange_counts(send_counts)
-        sc, rc = send_counts.tolist(), recv_counts.tolist()
+        rows = np.flatnonzero(self._touched[e.spec.label])  # ascending, so grouped by owner
+        owner = rows // chunk
+        away = owner != rank  # our own rows are already in our shard of g
+        send_counts = np.bincount(owner[away], minlength=W).astype(np.int64)
+        rc = self.comms.exchange_counts(torch.from_numpy(send_counts)).tolist()
+        sc = send_counts.tolist()
+        send = _to_device(rows[away], g.device)
         recv_rows = torch.empty(sum(rc), dtype=torch.int64, device=g.device)
         self.comms.all_to_all(recv_rows, send, rc, sc)
         width = g[0].numel()
@@ -786,8 +836,8 @@ class NorMuonAndAdam:
         """This rank's state: {"labels": {label: {name: tensor|int}}, "split_embed", "world_size",
         "rank", "pending_grads", "touched"}.  ``pending_grads``: the Adam gradients summed since the
         last Adam step (after an even step they carry a step's worth of signal, so a resume needs
-        them); ``touched``: the rows marked for the sparse exchange since then.  Tensors are
-        references; deep-copy to snapshot."""
+        them); ``touched``: the rows marked for the sparse exchange since then, (rows,) bool CPU
+        tensors.  Tensors are references; deep-copy to snapshot."""
         return {
             "labels": {lab: dict(e.state) for lab, e in self.entries.items()},
             "split_embed": self.split_embed,
@@ -795,7 +845,7 @@ class NorMuonAndAdam:
             "rank": self.comms.rank,
             "pending_grads": {lab: e.param.grad for lab, e in self.entries.items()
                               if e.spec.optim == "adam" and e.param.grad is not None},
-            "touched": dict(self._touched),
+            "touched": {lab: torch.from_numpy(mask) for lab, mask in self._touched.items()},
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -821,5 +871,6 @@ class NorMuonAndAdam:
                 if g is not None and g.shape != e.param.shape:
                     raise ValueError(f"state_dict pending gradient of {lab}: shape {tuple(g.shape)} does not match")
                 e.param.grad = None if g is None else g.detach().to(e.param.device, e.param.dtype).clone()
-            self._touched = {lab: m.to(self.entries[lab].param.device).clone() for lab, m in sd.get("touched", {}).items()}
+            self._touched = {lab: _host_mask(m, lab, self.entries[lab].param.shape[0])
+                             for lab, m in sd.get("touched", {}).items()}
 

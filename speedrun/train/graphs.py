@@ -5,10 +5,11 @@ kernels' wrappers and the FP8 bookkeeping.  Where a micro-batch is small, that h
 longer than the GPU's, and the GPU waits.  Here the whole micro-batch loop of a step (forward and
 backward of each micro-batch, gradients accumulated: :func:`speedrun.train.microbatch.accumulate`)
 is captured once per *step key* into a ``torch.cuda.CUDAGraph`` and replayed: one launch per step.
-What stays eager, between replays: the loader, the copy of each micro-batch into the graph's
-static buffers, the step's loss weights written into a device buffer, and everything after the
-loop (gradient flushes and reduction, the optimizer's host half, the FP8 weight refresh and step
-end).  The optimizer's kernels are replayed too, by :mod:`speedrun.train.update_graphs`, which
+What stays eager, between replays: the loader and the recipe's host work on each micro-batch
+(``note_batch``: the rows of the sparse bigram exchange), the copy of each micro-batch into the
+graph's static buffers, the step's loss weights written into a device buffer, and everything
+after the loop (gradient flushes and reduction, the optimizer's host half, the FP8 weight refresh
+and step end).  The optimizer's kernels are replayed too, by :mod:`speedrun.train.update_graphs`, which
 shares this module's capture stream, memory pool, counters and self-check.
 
 The step key is everything that decides which kernels the loop launches and where they read and
@@ -16,8 +17,8 @@ write: the micro-batches' shapes (tokens, cu_seqlens slots, max_seqlen, bigram i
 and loss scale, the attention windows, how many MTP weights there are and whether the prefix loss
 runs, which parameters already hold a gradient when the step starts (the record's Adam gradients
 wait across an even step), the model's ``graph_signature()`` (e.g. which FP8 scales are ready)
-and an *address fingerprint*: the data pointer of every tensor reachable from the model and the
-optimizer (FP8 weight caches and scales, RoPE tables, accumulators, optimizer state).  A graph reads
+and an *address fingerprint*: the data pointer of every tensor reachable from the model (FP8
+weight caches and scales, RoPE tables, accumulators).  A graph reads
 and writes fixed addresses, so the code it captures keeps its state in tensors that are updated
 in place; if one is replaced anyway, the fingerprint changes, and the step runs eagerly (and is
 captured anew when seen again) instead of reading stale or freed memory.
@@ -165,9 +166,9 @@ class StepKey:
     fingerprint: tuple
 
 
-def step_key(model, recipe, batches: Sequence, args: ForwardArgs, scale: float) -> StepKey:
-    """The :class:`StepKey` of a step about to run ``batches`` with ``args``: the model and recipe
-    as they are now (gradients held, FP8 readiness, addresses)."""
+def step_key(model, batches: Sequence, args: ForwardArgs, scale: float) -> StepKey:
+    """The :class:`StepKey` of a step about to run ``batches`` with ``args``: the model as it is
+    now (gradients held, FP8 readiness, addresses)."""
     shape = _batch_shape(batches[0])
     if any(_batch_shape(b) != shape for b in batches[1:]):
         raise ValueError("step_key: the micro-batches of one step must share their shapes")
@@ -176,15 +177,14 @@ def step_key(model, recipe, batches: Sequence, args: ForwardArgs, scale: float) 
         shapes=shape, count=len(batches), scale=float(scale), windows=(args.window_short, args.window_long),
         mtp_count=len(args.mtp_weights), prefix=not _is_zero(args.prefix_weight),
         present=frozenset(n for n, p in model.named_parameters() if p.grad is not None), signature=signature,
-        fingerprint=_address_fingerprint(reachable_tensors(_roots(model, recipe))),
+        fingerprint=_address_fingerprint(reachable_tensors(_roots(model))),
     )
 
 
-def _roots(model, recipe) -> list[tuple[str, Any]]:
-    """Where the fingerprint looks: the model and the optimizer (whose sparse-exchange row marks
-    the loop writes); not the rest of the recipe (its tokenizer's tables are large and hold no
-    tensor)."""
-    return [("model", model), ("optimizer", getattr(recipe, "optimizer", None))]
+def _roots(model) -> list[tuple[str, Any]]:
+    """Where the fingerprint looks: the model, which holds everything the loop reads and writes
+    (the optimizer's tensors are the update graphs' concern: :mod:`speedrun.train.update_graphs`)."""
+    return [("model", model)]
 
 
 def _batch_shape(batch) -> tuple:
@@ -310,13 +310,12 @@ class _Rerun:
 class StepGraphs:
     """Capture and replay of a step's micro-batches (see the module docstring).
 
-    model, recipe: the run's (the recipe's ``after_backward`` runs inside the loop, and its
-    optimizer is walked for the address fingerprint).  pause: a context manager factory the capture
-    and its check run inside (the training loop stops its clock there).  check: compare each
-    graph's first replay with the eager loop.  capturer: a :class:`CudaCapture` (stream and memory
-    pool) shared with other runs of this process whose steps never run concurrently with these
-    (the arms of one bench): their pool then holds the largest step's working set instead of each
-    run's own."""
+    model, recipe: the run's (the recipe's optimizer gets update graphs where it can be captured,
+    see ``capture_updates``).  pause: a context manager factory the capture and its check run
+    inside (the training loop stops its clock there).  check: compare each graph's first replay
+    with the eager loop.  capturer: a :class:`CudaCapture` (stream and memory pool) shared with
+    other runs of this process whose steps never run concurrently with these (the arms of one
+    bench): their pool then holds the largest step's working set instead of each run's own."""
 
     def __init__(self, model, recipe, device: torch.device, dtype: torch.dtype, *,
                  pause: Callable[[], contextlib.AbstractContextManager] | None = None, check: bool = True,
@@ -326,7 +325,7 @@ class StepGraphs:
             if device.type != "cuda":
                 raise ConfigError(f"CUDA graphs need a CUDA device, got {device}")
             capture_with = CudaCapture
-        self.model, self.recipe, self.device, self.dtype = model, recipe, device, dtype
+        self.model, self.device, self.dtype = model, device, dtype
         self._capture_with = capture_with
         self._capturer = capturer
         self.pause = pause or contextlib.nullcontext
@@ -364,7 +363,7 @@ class StepGraphs:
         if seen < CAPTURE_ON_SIGHT:
             self._note_missed(key)
             self.stats.eager_steps += 1
-            return microbatch.accumulate(self.model, self.recipe, batches, args, scale, self.device, self.dtype)
+            return microbatch.accumulate(self.model, batches, args, scale, self.device, self.dtype)
         with self.pause():
             t0 = time.perf_counter()
             step = self._capture(key, batches, args, scale)
@@ -400,10 +399,10 @@ class StepGraphs:
     # -- keys ----------------------------------------------------------------------------------
 
     def _roots(self) -> list[tuple[str, Any]]:
-        return _roots(self.model, self.recipe)
+        return _roots(self.model)
 
     def _key(self, batches: list, args: ForwardArgs, scale: float) -> StepKey:
-        return step_key(self.model, self.recipe, batches, args, scale)
+        return step_key(self.model, batches, args, scale)
 
     def _note_missed(self, key: StepKey) -> None:
         """Record (the first few times) why a step that resembles a captured one is not it."""
@@ -489,7 +488,7 @@ class StepGraphs:
         before = [t.detach().clone() for _, t in state]
         grads_before = {id(p): (p.grad, None if p.grad is None else p.grad.detach().clone()) for _, p in self._params}
         with cap.on_side_stream():
-            eager_loss = microbatch.accumulate(model, self.recipe, static, gargs, scale, device, self.dtype)
+            eager_loss = microbatch.accumulate(model, static, gargs, scale, device, self.dtype)
         cap.synchronize()
         received = [(n, p) for n, p in self._params if p.grad is not None]
         names = ["loss"] + [f"{n}.grad" for n, _ in received] + [n for n, _ in state]
@@ -502,7 +501,7 @@ class StepGraphs:
         if self.check:  # the eager loop again from the same snapshot: its own run-to-run noise
             self._restore(state, before, host, grads_before)
             with cap.on_side_stream():
-                again = microbatch.accumulate(model, self.recipe, static, gargs, scale, device, self.dtype)
+                again = microbatch.accumulate(model, static, gargs, scale, device, self.dtype)
             cap.synchronize()
             noise = [_relative_error(a, b) for a, b in zip(outputs(again), eager)]
 
@@ -529,7 +528,7 @@ class StepGraphs:
         def loop() -> None:
             if fresh:
                 torch._foreach_zero_(fresh)
-            total = microbatch.accumulate(model, self.recipe, static, gargs, scale, device, self.dtype)
+            total = microbatch.accumulate(model, static, gargs, scale, device, self.dtype)
             self._loss.copy_(total)
 
         graph = cap.capture(loop)
@@ -612,9 +611,14 @@ def _is_zero(value) -> bool:
 
 
 def _empty_like_batch(batch):
+    """A static micro-batch shaped like ``batch``: fresh device buffers, which the graph reads; no
+    host copy of the bigram ids (the rows were marked when the batch was fetched, and a copy here
+    would be the first batch's forever)."""
     import dataclasses
 
     fields = {f: (None if getattr(batch, f, None) is None else torch.empty_like(getattr(batch, f)))
               for f in ("inputs", "targets", "cu_seqlens", "bigram")}
+    if hasattr(batch, "bigram_host"):
+        fields["bigram_host"] = None
     return dataclasses.replace(batch, **fields)
 

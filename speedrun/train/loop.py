@@ -94,11 +94,11 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
     # mean times `unit` tokens; merged micro-batches give the same.
     unit = mb.chunk if recipe.loss_reduction == "sum" else 1
     mark("setup")
+    fetched = microbatch.micro_batches(loader, accum, on_batch=recipe.note_batch)
     if graphs is None:
-        total = microbatch.accumulate(model, recipe, microbatch.micro_batches(loader, accum), args, unit / accum,
-                                      info.device, dtype, mark)
+        total = microbatch.accumulate(model, fetched, args, unit / accum, info.device, dtype, mark)
     else:
-        batches = list(microbatch.micro_batches(loader, accum))
+        batches = list(fetched)
         mark("data")
         total = graphs.run(batches, args, unit / accum)
         for phase in ("forward", "backward", "after_backward"):

@@ -20,12 +20,13 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def accumulate(model, recipe, batches: Iterable, args: ForwardArgs, scale: float, device: torch.device,
+def accumulate(model, batches: Iterable, args: ForwardArgs, scale: float, device: torch.device,
                dtype: torch.dtype, mark: Callable[[str], None] | None = None) -> torch.Tensor:
     """Backward of ``model.loss(batch, args) * scale`` for every batch (gradients add up in
     ``.grad`` and the model's accumulators); returns the scaled losses' sum, a 0-d fp32 device
-    tensor.  ``mark`` is called with "data", "forward", "backward", "after_backward" per
-    micro-batch (host phase tracing)."""
+    tensor.  Device work only: this is what a CUDA graph of the step holds, so host work per
+    micro-batch belongs in :func:`micro_batches`' ``on_batch``.  ``mark`` is called with "data",
+    "forward", "backward", "after_backward" per micro-batch (host phase tracing)."""
     mark = mark or (lambda _: None)
     total = torch.zeros((), device=device)
     for batch in batches:
@@ -35,13 +36,17 @@ def accumulate(model, recipe, batches: Iterable, args: ForwardArgs, scale: float
         mark("forward")
         loss.backward()
         mark("backward")
-        recipe.after_backward(batch)
         total += loss.detach()
         mark("after_backward")
     return total
 
 
-def micro_batches(loader, count: int) -> Iterator:
-    """``count`` batches from ``loader``, each fetched when the iteration reaches it."""
+def micro_batches(loader, count: int, on_batch: Callable[[object], None] | None = None) -> Iterator:
+    """``count`` batches from ``loader``, each fetched when the iteration reaches it and handed to
+    ``on_batch`` first (host work per micro-batch, e.g. the recipe's ``note_batch``: it runs once
+    per micro-batch whether the loop then runs eagerly or is replayed from a graph)."""
     for _ in range(count):
-        yield loader.next_batch()
+        batch = loader.next_batch()
+        if on_batch is not None:
+            on_batch(batch)
+        yield batch

@@ -10,7 +10,9 @@ The training loop is one code path; a recipe supplies the schedule around it:
   embed/lm_head until the split step, the prefix-token table filled when the clock starts.
 
 Interface used by the loop: ``stages``, ``stage_index(step)``, ``forward_args(step)``,
-``eval_args(step, final)``, ``before_step(step)``, ``after_backward(batch)``,
+``eval_args(step, final)``, ``before_step(step)``, ``note_batch(batch)`` (host work on each
+micro-batch as it is fetched, before its forward; never device work, and nothing that reads the
+device: it runs outside the step's CUDA graph, once per micro-batch, eager or replayed),
 ``optimizer_step(step)``, ``use_update_graphs(graphs)`` (launch the updates through CUDA graphs:
 :mod:`speedrun.train.update_graphs`), ``on_clock_start()``, ``sync_to(step)`` (after a reset or resume),
 ``embedding_grads_due(step)`` (whether the optimizer step reads the embedding tables' in-place
@@ -95,7 +97,7 @@ class CoreRecipe:
     def embedding_grads_due(self, step: int) -> bool:
         return True
 
-    def after_backward(self, batch) -> None:
+    def note_batch(self, batch) -> None:
         pass
 
     def optimizer_step(self, step: int) -> None:
@@ -221,9 +223,14 @@ class RecordRecipe:
             w = self.schedule.at(min(s, self.schedule.total_steps - 1)).window_long
             self._set_long_window(w)
 
-    def after_backward(self, batch) -> None:
-        if getattr(batch, "bigram", None) is not None:
-            self.optimizer.mark_rows("bigram_embed", batch.bigram)
+    def note_batch(self, batch) -> None:
+        """Mark the bigram rows the micro-batch looks up, from the loader's host copy of its ids,
+        for the optimizer's sparse exchange (a no-op on one rank)."""
+        rows = getattr(batch, "bigram_host", None)
+        if rows is None:  # a batch built without the loader; mark_rows refuses ids on a GPU
+            rows = getattr(batch, "bigram", None)
+        if rows is not None:
+            self.optimizer.mark_rows("bigram_embed", rows)
 
     def optimizer_step(self, step: int) -> None:
         plan = self.optimizer.prepare(step)

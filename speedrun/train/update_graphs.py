@@ -13,15 +13,15 @@ eager update does.
 
 The update key is the plan's structure (Adam step or not, which labels update, whether embed's
 gradient folds into lm_head's, tied or split) plus the address of every gradient the update reads
-and of every tensor reachable from the optimizer (weights, moments, mantissas, row marks, the
-step-values buffer).  A gradient or a state tensor at a new address makes a new key, which runs
-eagerly and is captured at its second sight, as step keys are (:mod:`speedrun.train.graphs`).
+and of every tensor reachable from the optimizer (weights, moments, mantissas, the step-values
+buffer).  A gradient or a state tensor at a new address makes a new key, which runs eagerly and
+is captured at its second sight, as step keys are (:mod:`speedrun.train.graphs`).
 The untie step (a one-off change of the optimizer's layout) always runs eagerly.
 
 Capture and self-check mirror the step graphs': the eager update runs twice from a snapshot of
-everything it writes (weights, optimizer state, the gradients it modifies, the row marks), to
-measure its own run-to-run difference; the snapshot goes back, the update is captured and
-replayed, and the replay must match the eager update within the same tolerance
+everything it writes (weights, optimizer state, the gradients it modifies), to measure its own
+run-to-run difference; the snapshot goes back, the update is captured and replayed, and the
+replay must match the eager update within the same tolerance
 (:func:`speedrun.train.graphs.compare_replay`).
 
 Only an optimizer whose collectives are all local (one rank) is captured: on several ranks the
@@ -136,8 +136,9 @@ class UpdateGraphs:
 
     def _written(self, plan) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of everything the update writes: the updating labels' weights (embed's
-        too while it copies lm_head) and optimizer state, the gradients it modifies (lm_head's
-        when embed's folds in) and the sparse row marks."""
+        too while it copies lm_head) and optimizer state, and the gradients it modifies (lm_head's
+        when embed's folds in).  (The sparse row marks live on the host and exist on several
+        ranks only, which are not captured.)"""
         opt = self.optimizer
         out: list[tuple[str, torch.Tensor]] = []
         labels = list(plan.stepping)
@@ -151,7 +152,6 @@ class UpdateGraphs:
                 out += [(f"{label}.{k}", t) for k, t in e.state.items() if isinstance(t, torch.Tensor)]
         if plan.fold_embed:
             out.append((f"{opt.tied[0]}.grad", opt.entries[opt.tied[0]].param.grad))
-        out += [(f"rows[{label}]", t) for label, t in opt._touched.items()]
         return out
 
     def _compared(self, plan) -> list[tuple[str, torch.Tensor]]:
