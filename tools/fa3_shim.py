@@ -11,16 +11,27 @@ training programs with one attention kernel.
 Semantics mirror :func:`speedrun.attention.varlen.torch_varlen_attention`: causal only; FA's
 ``window_size=(left, right)`` is in tokens, as is torch's, and ``left = -1`` means unlimited.
 This file must stay self-contained (stdlib + torch): it runs inside the upstream folder, where the
-``speedrun`` package is not importable.
+``speedrun`` package is not importable by default.
+
+``SPEEDRUN_SHIM_BACKEND=cudnn`` (read once, at import) routes the calls to speedrun's cuDNN
+backend instead (:func:`speedrun.attention.cudnn.cudnn_varlen_attention`), so upstream and our
+arms can be compared on that kernel too; it needs the ``speedrun`` package and the cuDNN frontend
+on ``PYTHONPATH`` (``tools/upstream_f411b3d.sh`` sets that up).  ``varlen`` (the default) is
+torch's kernel.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 
-__all__ = ["flash_attn_varlen_func", "varlen_problem"]
+__all__ = ["flash_attn_varlen_func", "varlen_problem", "BACKEND"]
+
+SHIM_BACKENDS = ("varlen", "cudnn")
+# which kernel answers the calls; read once, outside any compiled region
+BACKEND = os.environ.get("SPEEDRUN_SHIM_BACKEND", "varlen")
 
 # FA3 keyword arguments we accept only at their neutral value: anything else would silently change
 # the maths, so it is refused instead of ignored.
@@ -51,14 +62,29 @@ def _load_varlen():
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
+def _load_cudnn():
+    """``(cudnn_varlen_attention, None)``, or ``(None, reason)`` when speedrun is not importable."""
+    try:
+        from speedrun.attention.cudnn import cudnn_varlen_attention
+    except ImportError as e:
+        return None, (f"SPEEDRUN_SHIM_BACKEND=cudnn needs the speedrun package on PYTHONPATH (the repository "
+                      f"root) and the cuDNN frontend installed: {e}")
+    return cudnn_varlen_attention, None
+
+
 # Resolved once at import, outside any compiled region: the signature differs between torch
 # releases (2.10: ``is_causal``; later: ``scale`` and ``window_size``), and inspecting it inside
 # the traced function would be wasted work on every call.
 _VARLEN, _PARAMS = _load_varlen()
+_CUDNN, _CUDNN_PROBLEM = _load_cudnn() if BACKEND == "cudnn" else (None, None)
 
 
 def varlen_problem() -> str | None:
     """Why :func:`flash_attn_varlen_func` cannot run here, or None."""
+    if BACKEND not in SHIM_BACKENDS:
+        return f"SPEEDRUN_SHIM_BACKEND={BACKEND!r}: known backends are {', '.join(SHIM_BACKENDS)}"
+    if BACKEND == "cudnn":
+        return _CUDNN_PROBLEM
     if _VARLEN is None:
         return _PARAMS
     if "window_size" not in _PARAMS and "is_causal" not in _PARAMS:
@@ -130,6 +156,8 @@ def flash_attn_varlen_func(
     left = -1 if left is None else int(left)
     if int(right) not in (0, -1):  # FA treats right=-1 under causal as 0
         raise NotImplementedError(f"fa3_shim.flash_attn_varlen_func: window right={right} (only 0) is not supported")
+    if BACKEND != "varlen":
+        return _cudnn_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, left, softmax_scale)
     if _VARLEN is None:
         raise RuntimeError(f"fa3_shim: {_PARAMS}")
     _require_cuda(q)
@@ -140,3 +168,15 @@ def flash_attn_varlen_func(
     max_q = max_seqlen_q if isinstance(max_seqlen_q, int) else int(max_seqlen_q)
     max_k = max_seqlen_k if isinstance(max_seqlen_k, int) else int(max_seqlen_k)
     return _VARLEN(q, k, v, cu_q, cu_k, max_q, max_k, **_window_kwargs(left, softmax_scale))
+
+
+def _cudnn_call(q, k, v, cu_q, cu_k, max_seqlen, left: int, softmax_scale) -> torch.Tensor:
+    """The call on speedrun's cuDNN backend: one ``cu_seqlens`` for queries and keys (upstream
+    passes the same tensor for both), FA's left window in tokens as its ``window``."""
+    problem = varlen_problem()
+    if problem is not None:
+        raise RuntimeError(f"fa3_shim: {problem}")
+    if cu_k is not cu_q:
+        raise NotImplementedError("fa3_shim (cudnn): cu_seqlens_k must be cu_seqlens_q (self-attention over "
+                                  "one packed batch)")
+    return _CUDNN(q, k, v, cu_q, int(max_seqlen), window=None if left == -1 else left, scale=softmax_scale)

@@ -23,6 +23,16 @@ DATA=${DATA_DIR:-/tmp/webmix}
 WAIT_S=${WAIT_S:-540}
 mkdir -p "$OUT"
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
+# Which kernel answers upstream's FA3 calls (fa3_shim.py): varlen (torch's, the default) or cudnn
+# (speedrun's cuDNN backend: the repository and the carried frontend wheel go on PYTHONPATH).
+# Use another UP_DIR per backend, e.g. UP_DIR=/tmp/upc SPEEDRUN_SHIM_BACKEND=cudnn.
+export SPEEDRUN_SHIM_BACKEND=${SPEEDRUN_SHIM_BACKEND:-varlen}
+if [ "$SPEEDRUN_SHIM_BACKEND" = cudnn ]; then
+  if ls "$R"/.whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$R"/.whl/*.whl
+  fi
+  export PYTHONPATH=$R:/tmp/site:${PYTHONPATH:-}
+fi
 
 decompress() {  # python's lzma: no dependence on the xz tool being installed
   mkdir -p "$DATA"
@@ -43,6 +53,7 @@ start_run() {
     --train-files "$DATA/webmix_train_*.bin" --val-files "$DATA/webmix_val_*.bin" "$@" | tee "$OUT/upstream_patch.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || return 1
   touch "$UP/started"
+  echo "$SPEEDRUN_SHIM_BACKEND" > "$UP/attention_backend.txt"
   # setsid: a new session outlives the device call; torch.distributed.run == torchrun.  The SM
   # clock and power log runs as long as the training (stage_marks.txt splits it by stage).
   (cd "$UP" && TIKTOKEN_CACHE_DIR="$TIKTOKEN_DIR" PYTHONUNBUFFERED=1 setsid nohup bash -c \
@@ -51,12 +62,13 @@ start_run() {
       python3 -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt.py > stdout.txt 2>&1; echo $? > rc
       kill $L' \
      < /dev/null > /dev/null 2>&1 &)
-  log "started upstream in $UP"
+  log "started upstream in $UP (attention: $SPEEDRUN_SHIM_BACKEND)"
 }
 
 collect() {
   cp "$UP/stdout.txt" "$OUT/upstream_stdout.txt" 2>/dev/null
   cp "$UP/bench_config.json" "$OUT/" 2>/dev/null
+  cp "$UP/attention_backend.txt" "$OUT/upstream_attention_backend.txt" 2>/dev/null
   cp "$UP/upstream_kernels.json" "$OUT/" 2>/dev/null  # with --profile START:COUNT
   if [ -e "$UP/upstream_kernels.json" ]; then  # the source of its slowest Inductor kernels (same cache)
     python3 "$R/tools/inductor_sources.py" "$UP/upstream_kernels.json" --top "${INDUCTOR_TOP:-12}" \
