@@ -145,3 +145,58 @@ def test_projection_carries_the_world_and_refuses_to_mix_worlds(tmp_path, capsys
         paths.append(str(p))
     assert main(["bench", "project", *paths]) == 2
     assert "rank 0 of 2 simulated" in capsys.readouterr().err
+
+
+def _upstream_file(tmp_path, stage_times: list[list[float]], gpus=("NVIDIA H100 80GB HBM3",)) -> str:
+    """A 'tools/upstream_step_times.py --json' file: per stage (schedule order) its step times."""
+    names = ["stage1", "stage2", "stage3", "extension"]
+    doc = {"stages": [{"stage": names[i], "times_ms": t, "measured": len(t)} for i, t in enumerate(stage_times)],
+           "gpus": list(gpus)}
+    p = tmp_path / "upstream_steps.json"
+    p.write_text(json.dumps(doc))
+    return str(p)
+
+
+def test_upstream_joins_as_the_baseline_on_its_presets_schedule(tmp_path, capsys):
+    """--upstream NAME=FILE:PRESET: upstream's stage times on the preset's step counts, first and
+    the baseline of every ratio; its extension without timed steps is timed as its stage 3."""
+    base, cand = _arms()
+    docs = [_bench(0, {"base": (base, [240.0] * 20), "cand": (cand, [220.0] * 20)}),
+            _bench(1, {"base": (base, [460.0] * 20), "cand": (cand, [420.0] * 20)}),
+            _bench(2, {"base": (base, [690.0] * 20), "cand": (cand, [620.0] * 20)})]
+    paths = []
+    for d in docs:
+        p = tmp_path / f"bench_stage{d['stage']}.json"
+        p.write_text(json.dumps(d))
+        paths.append(str(p))
+    up = _upstream_file(tmp_path, [[247.0] * 13, [465.0] * 13, [681.0] * 13, []])
+    out = tmp_path / "proj.json"
+    assert main(["bench", "project", *paths, "--upstream", f"f411b3d={up}:record", "--json", str(out),
+                 "--n-boot", "100"]) == 0
+    res = json.loads(out.read_text())
+    assert [a["name"] for a in res["arms"]] == ["f411b3d", "base", "cand"] and res["baseline"] == "f411b3d"
+    want_up = (423 * 247 + 424 * 465 + 438 * 681) / 1000
+    by = {a["name"]: a for a in res["arms"]}
+    assert by["f411b3d"]["seconds"] == pytest.approx(want_up)
+    want_c = (423 * 220 + 424 * 420 + 468 * 620) / 1000
+    assert by["cand"]["ratio"] == pytest.approx(want_c / want_up)
+    assert "f411b3d: upstream's own run" in capsys.readouterr().out
+
+    from speedrun.evidence.projection import load_upstream
+
+    loaded = [dict(d, _path=str(i)) for i, d in enumerate(docs)]
+    with pytest.raises(ConfigError, match="NAME=FILE:PRESET"):
+        load_upstream(up)
+    with pytest.raises(ConfigError, match="unknown preset 'recrod'"):
+        load_upstream(f"u={up}:recrod")
+    with pytest.raises(ConfigError, match="no timed step at stage 1"):
+        project(loaded, upstream=[load_upstream(f"u={_upstream_file(tmp_path, [[1.0], [], [1.0]])}:record")])
+    with pytest.raises(ConfigError, match="name of a benched arm"):
+        project(loaded, upstream=[load_upstream(f"base={up}:record")])
+    two_gpus = _upstream_file(tmp_path, [[1.0], [1.0], [1.0]], gpus=("H100", "H100"))
+    with pytest.raises(ConfigError, match="ran on 2 GPU"):
+        project(loaded, upstream=[load_upstream(f"u={two_gpus}:record")])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"arms": []}))
+    with pytest.raises(ConfigError, match="not a 'tools/upstream_step_times.py --json' file"):
+        load_upstream(f"u={bad}:record")

@@ -206,6 +206,38 @@ def test_device_run_short_run_passes_short_set_overrides(tmp_path):
     assert sets[-3:] == ["model.mlp_input_quant=graph", "model.embedding_grad=atomic_graph", "data.val_files=*.bin"], sets
 
 
+def test_device_run_projects_with_upstream_as_the_baseline(tmp_path):
+    """The record part's projection takes upstream's run of this machine (UP_DIR) as its first arm,
+    on UP_PRESET's schedule, and leaves it out for a simulated rank."""
+    bash = shutil.which("bash") or pytest.skip("no bash")
+    script = [s for s in SCRIPTS if s.name == "device_run.sh"][0]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    stub = bin_dir / "python3"  # records its arguments instead of running
+    stub.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    stub.chmod(0o755)
+    up = tmp_path / "up"
+    (up / "logs").mkdir(parents=True)
+    (up / "logs" / "run.txt").write_text("step:1/2 train_time:1ms\n")
+    for name, rank in (("out", ""), ("out8", "_rank8")):
+        out = tmp_path / name
+        out.mkdir()
+        for s in range(3):
+            (out / f"bench_step{rank}_stage{s}.json").write_text("{}")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "BUDGET_S": "30",
+           "SPEEDRUN_TEST_DATA": str(tmp_path), "UP_DIR": str(up), "UP_NAME": "pr344", "UP_PRESET": "candidate"}
+    res = subprocess.run([bash, str(script), "record"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    project = [line for line in calls.read_text().splitlines() if "bench project" in line]
+    assert len(project) == 1, res.stdout + res.stderr
+    assert f"--upstream pr344={tmp_path / 'out'}/upstream_steps.json:candidate" in project[0]
+    calls.unlink()
+    res = subprocess.run([bash, str(script), "record"], capture_output=True, text=True, cwd=tmp_path,
+                         env={**env, "OUT": str(tmp_path / "out8"), "AS_RANK_OF": "8"})
+    project = [line for line in calls.read_text().splitlines() if "bench project" in line]
+    assert len(project) == 1 and "--upstream" not in project[0], res.stdout + res.stderr
+
+
 def test_gpu_clocks_summarizes_each_phase_from_busy_samples(tmp_path, capsys, monkeypatch):
     import importlib.util
 

@@ -106,9 +106,18 @@ for part in $parts; do
           --json "$OUT/bench_step${AS_RANK_OF:+_rank$AS_RANK_OF}_stage$stage.json" 2>&1 | tail -30
       done  # (the bench samples each arm's SM clock and power itself: its table's "GPU clocks")
       # every stage benched: each arm's whole-run time from its own schedule
+      # (with upstream's run on this machine, UP_DIR, as the first arm and baseline: UP_NAME on
+      # the schedule of UP_PRESET, default f411b3d on the record's; PR #344: UP_DIR=/tmp/up344
+      # UP_NAME=pr344 UP_PRESET=candidate)
       set -- "$OUT"/bench_step${AS_RANK_OF:+_rank$AS_RANK_OF}_stage*.json
-      [ "$#" -ge 3 ] && python3 -m speedrun bench project "$@" \
-        --json "$OUT/projection${AS_RANK_OF:+_rank$AS_RANK_OF}.json" 2>&1 | tail -14
+      up_args=()
+      uplog=$(ls -t "${UP_DIR:-/tmp/up}"/logs/*.txt 2>/dev/null | head -1)
+      if [ -z "${AS_RANK_OF:-}" ] && [ -n "$uplog" ] && python3 tools/upstream_step_times.py "$uplog" \
+          --config "${UP_DIR:-/tmp/up}/bench_config.json" --json "$OUT/upstream_steps.json" > /dev/null 2>&1; then
+        up_args=(--upstream "${UP_NAME:-f411b3d}=$OUT/upstream_steps.json:${UP_PRESET:-record}")
+      fi
+      [ "$#" -ge 3 ] && python3 -m speedrun bench project "$@" ${up_args[@]+"${up_args[@]}"} \
+        --json "$OUT/projection${AS_RANK_OF:+_rank$AS_RANK_OF}.json" 2>&1 | tail -16
       # every arm / upstream per benched stage, when upstream ran on this machine (one GPU's whole
       # step, so not for a simulated rank)
       if [ -z "${AS_RANK_OF:-}" ]; then for f in "$@"; do vs_upstream "$f" 20; done; fi ;;

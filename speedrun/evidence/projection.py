@@ -21,6 +21,13 @@ collectives replaced by no-ops) project an N-GPU run: the sum is then every rank
 without the communication.  The files' world (simulated or real, and its size) is carried into
 the result and printed; files of different worlds are refused, since their steps differ.
 
+Upstream modded-nanogpt's own runs join as arms (:func:`load_upstream`): the per-stage step
+times that ``tools/upstream_step_times.py --json`` reads from its log, on the schedule of the
+preset whose recipe it runs (f411b3d: ``record``; PR #344: ``candidate``).  They come first and
+are the baseline of the ratios, so every arm is compared with upstream measured on the same
+machine.  Their steps come from another process and a timer of their own (each step's
+``train_time`` difference in upstream's log), not from the bench's interleaved rounds.
+
 What the projection leaves out: compilation and warmup, validation, and how the host runs ahead
 of the GPU between steps in a real run (the bench times one step from an idle GPU unless it was
 given ``--chain``).  It ranks arms; a full training measures them.
@@ -84,6 +91,30 @@ def load_benches(paths: list[Path]) -> list[dict[str, Any]]:
     return docs
 
 
+def load_upstream(spec: str) -> dict[str, Any]:
+    """An upstream run as a projection arm, from ``NAME=FILE:PRESET``: FILE is
+    ``tools/upstream_step_times.py --json`` output (per stage, in schedule order, the step times
+    of upstream's log), PRESET the preset whose schedule it trains (its step counts per stage).
+    Returns ``{"name", "config", "times_by_stage": {stage index: [ms, ...]}, "gpus", "path"}``."""
+    from speedrun.config import PRESETS, preset
+
+    name, sep, rest = spec.partition("=")
+    path, sep2, preset_name = rest.rpartition(":")
+    if not (sep and sep2 and name and path and preset_name):
+        raise ConfigError(f"--upstream {spec!r}: want NAME=FILE:PRESET (e.g. f411b3d=upstream_steps.json:record)")
+    if preset_name not in PRESETS:
+        raise ConfigError(f"--upstream {spec!r}: unknown preset {preset_name!r}; known: {', '.join(sorted(PRESETS))}")
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read upstream step file {path}: {e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("stages"), list):
+        raise ConfigError(f"{path} is not a 'tools/upstream_step_times.py --json' file (no 'stages' list)")
+    times = {i: [float(t) for t in st.get("times_ms") or []] for i, st in enumerate(doc["stages"])}
+    return {"name": name, "config": preset(preset_name).to_dict(), "times_by_stage": times,
+            "gpus": list(doc.get("gpus") or []), "path": path}
+
+
 def bench_world(doc: dict[str, Any]) -> tuple[int, bool]:
     """(ranks, simulated) of a bench file: ``simulated_world`` for ``--as-rank-of N`` files, else
     the processes it ran on (``world_size``; 1 for files that predate the field)."""
@@ -100,12 +131,13 @@ def describe_world(world: int, simulated: bool) -> str:
 
 
 def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
-            as_rank_of: int | None = None) -> dict[str, Any]:
+            as_rank_of: int | None = None, upstream: list[dict[str, Any]] = ()) -> dict[str, Any]:
     """Projected whole-run seconds per arm from bench files of several stages (see the module doc).
 
     ``as_rank_of`` N: refuse files that are not ``--as-rank-of N`` benches.  Returns ``{"arms":
     [{"name", "seconds", "ci", "ratio", "ratio_ci", "stages": [...]}, ...], "baseline",
-    "unbenched", "world_size", "simulated", "world", "separate_processes"}``, arms in the order
+    "unbenched", "world_size", "simulated", "world", "separate_processes", "upstream"}``, the
+    ``upstream`` arms (:func:`load_upstream`) first, then the benched ones in the order
     the files first name them; the baseline is the first.  Files of the same stage add their arms
     (listed in "separate_processes": those arms were not interleaved)."""
     from speedrun.train.recipes import stages_of
@@ -117,6 +149,10 @@ def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
         raise ConfigError("bench files of different worlds cannot make one run: "
                           + "; ".join(f"{d['_path']}: {describe_world(*bench_world(d))}" for d in docs))
     (world, simulated), = worlds
+    for up in upstream:
+        if simulated or (up["gpus"] and len(up["gpus"]) != world):
+            raise ConfigError(f"upstream {up['name']} ran on {len(up['gpus']) or '?'} GPU(s); the bench files are "
+                              f"from {describe_world(world, simulated)}: not one kind of run")
     if as_rank_of is not None and (world, simulated) != (as_rank_of, True):
         raise ConfigError(f"--as-rank-of {as_rank_of}: the files are from {describe_world(world, simulated)}, "
                           f"not from 'bench step --as-rank-of {as_rank_of}'")
@@ -137,6 +173,14 @@ def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
             arms[a["name"]] = a
             if a["name"] not in names:
                 names.append(a["name"])
+    for up in reversed(upstream):  # upstream first: the baseline of every ratio
+        if up["name"] in names:
+            raise ConfigError(f"upstream arm {up['name']!r} has the name of a benched arm")
+        for s, arms in by_stage.items():
+            if not up["times_by_stage"].get(s):
+                raise ConfigError(f"upstream {up['name']} ({up['path']}) has no timed step at stage {s}")
+            arms[up["name"]] = {"name": up["name"], "config": up["config"], "times_ms": up["times_by_stage"][s]}
+        names.insert(0, up["name"])
     for s, arms in by_stage.items():
         missing = [n for n in names if n not in arms]
         if missing:
@@ -180,7 +224,8 @@ def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
         arm["ratio_ci"] = _ci(draws[arm["name"]] / draws[base])
     return {"arms": out_arms, "baseline": base, "unbenched": unbenched, "n_boot": n_boot,
             "world_size": world, "simulated": simulated, "world": describe_world(world, simulated),
-            "separate_processes": sorted(s for s, n in files_per_stage.items() if n > 1)}
+            "separate_processes": sorted(s for s, n in files_per_stage.items() if n > 1),
+            "upstream": [{"name": up["name"], "path": up["path"]} for up in upstream]}
 
 
 def _ci(x: np.ndarray) -> list[float]:
@@ -208,6 +253,8 @@ def render(res: dict[str, Any]) -> str:
         lines.append(f"(stage {i} was not benched: timed as stage {src}, the nearest earlier stage with its batch)")
     for s in res.get("separate_processes", []):
         lines.append(f"(stage {s}: arms benched in separate processes, not interleaved)")
+    for up in res.get("upstream", []):
+        lines.append(f"({up['name']}: upstream's own run, its step times read from its log: {up['path']})")
     return "\n".join(lines) + "\n"
 
 
@@ -215,8 +262,9 @@ def cli_project(args) -> int:
     import sys
 
     try:
+        upstream = [load_upstream(spec) for spec in getattr(args, "upstream", None) or []]
         res = project(load_benches(args.files), n_boot=args.n_boot, seed=args.seed,
-                      as_rank_of=getattr(args, "as_rank_of", None))
+                      as_rank_of=getattr(args, "as_rank_of", None), upstream=upstream)
     except ConfigError as e:
         print(f"speedrun bench project: {e}", file=sys.stderr)
         return 2
