@@ -263,8 +263,8 @@ class CudaCapture:
         working set of every captured step reserved for its replays)."""
         pool = tuple(self.pool)
         index = torch.cuda.current_device() if self.device.index is None else self.device.index
-        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
-                   if seg["device"] == index and tuple(seg["segment_pool_id"]) == pool)
+        return sum(seg.get("total_size", 0) for seg in torch.cuda.memory_snapshot()
+                   if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) == pool)
 
 
 class RerunCapture:
