@@ -94,4 +94,27 @@ def test_record_process_signalled_mid_stage_resumes_bit_exactly_on_gpu(tmp_path,
     again = subprocess.run([sys.executable, "-m", "speedrun", "train", "--resume", str(folder), "--quiet"],
                            capture_output=True, text=True, timeout=1800)
     assert again.returncode == 0, again.stderr
-    same(final_state(run_folder(tmp_path / "whole")), final_state(folder), "resumed process")
+    try:
+        same(final_state(run_folder(tmp_path / "whole")), final_state(folder), "resumed process")
+    except AssertionError as e:  # say where the two diverged: at the resume, or later
+        raise AssertionError(f"{e}\n{first_divergence(run_folder(tmp_path / 'whole'), folder)}") from None
+
+
+def first_divergence(whole: Path, resumed: Path) -> str:
+    """The first step whose logged training loss differs between two run folders (each step's
+    last ``train`` metric; the resumed folder holds the cut run's steps, then the resumed ones)."""
+    import json
+
+    def losses(folder: Path) -> dict[int, float]:
+        out = {}
+        for line in (folder / "metrics.jsonl").read_text().splitlines():
+            m = json.loads(line)
+            if m.get("event") == "train":
+                out[int(m["step"])] = float(m["loss"])
+        return out
+
+    a, b = losses(whole), losses(resumed)
+    for step in sorted(set(a) & set(b)):
+        if a[step] != b[step]:
+            return f"training losses first differ after step {step}: {a[step]!r} vs {b[step]!r} (logged steps {sorted(b)})"
+    return f"every logged training loss is equal (steps {sorted(set(a) & set(b))})"
