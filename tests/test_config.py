@@ -91,7 +91,7 @@ def test_config_problems_name_every_bad_field_with_its_range():
 
 def test_every_attention_backend_is_a_valid_config_value():
     """``model.attention_backend`` accepts exactly "auto" and the backends speedrun.attention knows
-    (cudnn was once missing from the rule, so only "auto" could reach it)."""
+    (a rule naming fewer would leave a backend reachable only through "auto")."""
     from speedrun.attention import BACKENDS
     from speedrun.config import ATTENTION_BACKEND_CHOICES
     from speedrun.config_check import validate_config

@@ -47,9 +47,9 @@ def cfg_for(tmp_path, arm, warmup_steps=2):
     return cfg
 
 
-# warmup 0 as the signalled-process test below runs (its fault must hit a timed step): that test
-# fails (a resumed process ends one bf16 step off) while this one passed with a warmup, so the
-# pair says whether the warmup or the new process makes the difference
+# with the untimed warmup and without it, as the signalled-process test below runs (its fault
+# must hit a timed step): beside that test, the pair says whether a resume depends on the warmup
+# or on running in a new process
 @pytest.mark.parametrize("warmup", [2, 0], ids=["warmup2", "warmup0"])
 @pytest.mark.parametrize("arm", sorted(ARMS))
 def test_stopped_mid_stage_resumes_bit_exactly_on_gpu(tmp_path, arm, warmup):
