@@ -183,16 +183,23 @@ def test_device_run_packs_more_than_eight_outputs(tmp_path):
     assert "packed" not in res.stdout and (few / "gpu.txt").exists()
 
 
-def test_device_run_short_run_passes_short_set_overrides(tmp_path):
-    """recordrun's training gets the shortened schedule and every SHORT_SET override as --set."""
+def _device_run_with_recording_python(tmp_path):
+    """(bash, device_run.sh, a bin folder whose python3 records its arguments in calls.txt instead
+    of running, calls.txt): put the folder first on PATH."""
     bash = shutil.which("bash") or pytest.skip("no bash")
     script = [s for s in SCRIPTS if s.name == "device_run.sh"][0]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls.txt"
-    stub = bin_dir / "python3"  # records its arguments instead of training
+    stub = bin_dir / "python3"
     stub.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
     stub.chmod(0o755)
+    return bash, script, bin_dir, calls
+
+
+def test_device_run_short_run_passes_short_set_overrides(tmp_path):
+    """recordrun's training gets the shortened schedule and every SHORT_SET override as --set."""
+    bash, script, bin_dir, calls = _device_run_with_recording_python(tmp_path)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "BUDGET_S": "30",
            "SPEEDRUN_TEST_DATA": str(tmp_path), "SHORT_STEPS": "47", "SHORT_EXT": "2",
            "SHORT_SET": "model.mlp_input_quant=graph  model.embedding_grad=atomic_graph data.val_files=*.bin"}
@@ -209,14 +216,7 @@ def test_device_run_short_run_passes_short_set_overrides(tmp_path):
 def test_device_run_projects_with_upstream_as_the_baseline(tmp_path):
     """The record part's projection takes upstream's run of this machine (UP_DIR) as its first arm,
     on UP_PRESET's schedule, and leaves it out for a simulated rank."""
-    bash = shutil.which("bash") or pytest.skip("no bash")
-    script = [s for s in SCRIPTS if s.name == "device_run.sh"][0]
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "calls.txt"
-    stub = bin_dir / "python3"  # records its arguments instead of running
-    stub.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
-    stub.chmod(0o755)
+    bash, script, bin_dir, calls = _device_run_with_recording_python(tmp_path)
     up = tmp_path / "up"
     (up / "logs").mkdir(parents=True)
     (up / "logs" / "run.txt").write_text("step:1/2 train_time:1ms\n")

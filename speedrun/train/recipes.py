@@ -226,11 +226,8 @@ class RecordRecipe:
     def note_batch(self, batch) -> None:
         """Mark the bigram rows the micro-batch looks up, from the loader's host copy of its ids,
         for the optimizer's sparse exchange (a no-op on one rank)."""
-        rows = getattr(batch, "bigram_host", None)
-        if rows is None:  # a batch built without the loader; mark_rows refuses ids on a GPU
-            rows = getattr(batch, "bigram", None)
-        if rows is not None:
-            self.optimizer.mark_rows("bigram_embed", rows)
+        if getattr(batch, "bigram_host", None) is not None:
+            self.optimizer.mark_rows("bigram_embed", batch.bigram_host)
 
     def optimizer_step(self, step: int) -> None:
         plan = self.optimizer.prepare(step)
