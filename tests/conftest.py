@@ -85,6 +85,10 @@ def kernels_use_references(monkeypatch):
     # ``interpreting``, and patching only the launchers' copies left the interpreter running.
     modules = [importlib.import_module(f"speedrun.kernels.{name}")
                for name in ("_triton", "fp8_cache", "mlp", "qk_prep", "qkv_pack", "cross_entropy")]
+    # the optimizer's kernels are not patched (their tests choose Triton themselves), but they bind
+    # ``launch`` by name too: imported first here, they never bind the patched one
+    for name in ("polar_express", "fused_adam", "row_accumulate"):
+        importlib.import_module(f"speedrun.kernels.{name}")
     for module in modules:
         monkeypatch.setattr(module, "interpreting", lambda: False)
 
