@@ -77,6 +77,36 @@ def test_projection_refuses_incomplete_benches(tmp_path, capsys):
     assert "not a 'speedrun bench step --json' file" in capsys.readouterr().err
 
 
+def test_arm_filter_projects_the_named_arms_when_another_lacks_a_stage(tmp_path, capsys):
+    base, cand = _arms()
+    docs = [_bench(0, {"base": (base, [300.0] * 20), "cand": (cand, [400.0] * 20)}),
+            _bench(1, {"base": (base, [500.0] * 20), "cand": (cand, [450.0] * 20)}),
+            _bench(2, {"base": (base, [650.0] * 20)})]  # cand's stage 2 is missing
+    docs = [dict(d, _path=f"s{d['stage']}") for d in docs]
+    with pytest.raises(ConfigError, match="no arm cand"):
+        project(docs)
+    res = project(docs, n_boot=100, only=["base"])
+    assert [a["name"] for a in res["arms"]] == ["base"]
+    assert res["arms"][0]["seconds"] == pytest.approx((423 * 300 + 424 * 500 + 438 * 650) / 1000)
+    # the order given sets the baseline
+    both = [dict(d, _path=f"t{d['stage']}") for d in
+            [_bench(s, {"base": (base, [100.0 * (s + 1)] * 20), "cand": (cand, [50.0 * (s + 1)] * 20)})
+             for s in range(3)]]
+    res = project(both, n_boot=100, only=["cand", "base"])
+    assert [a["name"] for a in res["arms"]] == ["cand", "base"]
+    assert res["arms"][1]["ratio"] > 1.0
+    with pytest.raises(ConfigError, match="--arm nope: no bench file has such an arm"):
+        project(docs, only=["nope"])
+    paths = []
+    for d in docs:
+        p = tmp_path / f"s{d['stage']}.json"
+        p.write_text(json.dumps({k: v for k, v in d.items() if k != "_path"}))
+        paths.append(str(p))
+    assert main(["bench", "project", *paths, "--n-boot", "100", "--arm", "base"]) == 0
+    assert main(["bench", "project", *paths, "--arm", "nope"]) == 2
+    assert "no bench file has such an arm" in capsys.readouterr().err
+
+
 def test_arms_of_one_stage_may_come_from_separate_files():
     """Arms benched in separate processes at a stage (two arms' graphs not fitting one GPU) add
     up to that stage's arms, the same projection as one file holding both, flagged as not

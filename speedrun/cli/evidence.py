@@ -278,6 +278,9 @@ def _add_bench(sub) -> None:
                    help="require files from 'bench step --as-rank-of N' (a simulated rank of N); without it "
                         "the files' own world size is used (every file must have the same)")
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resampling (default 0)")
+    p.add_argument("--arm", action="append", metavar="NAME",
+                   help="project only this benched arm (repeatable; the first is the baseline unless "
+                        "--upstream names one): e.g. when another arm lacks a stage's bench")
     p.add_argument("--upstream", action="append", metavar="NAME=FILE:PRESET",
                    help="an upstream run as the first arm and baseline: FILE from 'tools/upstream_step_times.py "
                         "--json' (its stage times), PRESET the schedule it trains (f411b3d: record, PR #344: "

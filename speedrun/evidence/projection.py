@@ -131,10 +131,13 @@ def describe_world(world: int, simulated: bool) -> str:
 
 
 def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
-            as_rank_of: int | None = None, upstream: list[dict[str, Any]] = ()) -> dict[str, Any]:
+            as_rank_of: int | None = None, upstream: list[dict[str, Any]] = (),
+            only: list[str] | None = None) -> dict[str, Any]:
     """Projected whole-run seconds per arm from bench files of several stages (see the module doc).
 
-    ``as_rank_of`` N: refuse files that are not ``--as-rank-of N`` benches.  Returns ``{"arms":
+    ``as_rank_of`` N: refuse files that are not ``--as-rank-of N`` benches.  ``only``: project
+    these benched arms alone, in this order (e.g. when one arm lacks a stage's bench); every
+    name must be benched at some stage.  Returns ``{"arms":
     [{"name", "seconds", "ci", "ratio", "ratio_ci", "stages": [...]}, ...], "baseline",
     "unbenched", "world_size", "simulated", "world", "separate_processes", "upstream"}``, the
     ``upstream`` arms (:func:`load_upstream`) first, then the benched ones in the order
@@ -173,6 +176,11 @@ def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
             arms[a["name"]] = a
             if a["name"] not in names:
                 names.append(a["name"])
+    if only:
+        unknown = [n for n in only if n not in names]
+        if unknown:
+            raise ConfigError(f"--arm {', '.join(unknown)}: no bench file has such an arm (benched: {', '.join(names)})")
+        names = list(dict.fromkeys(only))
     for up in reversed(upstream):  # upstream first: the baseline of every ratio
         if up["name"] in names:
             raise ConfigError(f"upstream arm {up['name']!r} has the name of a benched arm")
@@ -264,7 +272,8 @@ def cli_project(args) -> int:
     try:
         upstream = [load_upstream(spec) for spec in getattr(args, "upstream", None) or []]
         res = project(load_benches(args.files), n_boot=args.n_boot, seed=args.seed,
-                      as_rank_of=getattr(args, "as_rank_of", None), upstream=upstream)
+                      as_rank_of=getattr(args, "as_rank_of", None), upstream=upstream,
+                      only=getattr(args, "arm", None))
     except ConfigError as e:
         print(f"speedrun bench project: {e}", file=sys.stderr)
         return 2

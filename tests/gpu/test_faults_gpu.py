@@ -67,9 +67,15 @@ def test_stopped_mid_stage_resumes_bit_exactly_on_gpu(tmp_path, arm, warmup):
 def test_record_process_signalled_mid_stage_resumes_bit_exactly_on_gpu(tmp_path, sig):
     """``speedrun train`` processes: SIGTERM as step 4 begins
     stops after step 5 with a checkpoint; SIGKILL there leaves the stage-1 boundary checkpoint
-    (step 3)."""
+    (step 3).  The stopped run is resumed twice from copies of its folder: by a new process, and
+    by ``speedrun train --resume`` inside this test's process (which has trained before, so its
+    kernels, caches and library handles are warm), so a failure says whether the new process or
+    the CLI's resume path makes the difference."""
     import os
+    import shutil
     import subprocess
+
+    from test_faults import resume
 
     # no untimed warmup: its steps go through run_step too, and the fault must hit a timed step
     args = ["--preset", "tiny-record"] + [x for kv in SHAPE + ARMS["record"] + ["train.warmup_steps=0"]
@@ -85,19 +91,49 @@ def test_record_process_signalled_mid_stage_resumes_bit_exactly_on_gpu(tmp_path,
     assert whole.returncode == 0, whole.stderr
     again_whole = run(tmp_path / "whole2")  # first: do two processes agree at all on this GPU?
     assert again_whole.returncode == 0, again_whole.stderr
-    same(final_state(run_folder(tmp_path / "whole")), final_state(run_folder(tmp_path / "whole2")),
+    reference = run_folder(tmp_path / "whole")
+    same(final_state(reference), final_state(run_folder(tmp_path / "whole2")),
          "two uninterrupted processes (GPU determinism across processes, not resume)")
     cut = run(tmp_path / "cut", fault=f"step:4:{sig}")
     assert cut.returncode == EXIT[sig], cut.stderr
     folder = run_folder(tmp_path / "cut")
     assert torch.load(list_checkpoints(folder)[-1], weights_only=False)["step"] == (5 if sig == "SIGTERM" else 3)
+    here = tmp_path / "resumed-here" / folder.name
+    shutil.copytree(folder, here)
     again = subprocess.run([sys.executable, "-m", "speedrun", "train", "--resume", str(folder), "--quiet"],
                            capture_output=True, text=True, timeout=1800)
     assert again.returncode == 0, again.stderr
-    try:
-        same(final_state(run_folder(tmp_path / "whole")), final_state(folder), "resumed process")
-    except AssertionError as e:  # say where the two diverged: at the resume, or later
-        raise AssertionError(f"{e}\n{first_divergence(run_folder(tmp_path / 'whole'), folder)}") from None
+    assert resume(here) == 0
+    verdicts = {name: differences(final_state(reference), final_state(f))
+                for name, f in (("a new process", folder), ("this test's process", here))}
+    if any(verdicts.values()):
+        raise AssertionError("resumed runs against the uninterrupted one:\n" + "\n".join(
+            f"- resumed by {name}: " + (f"{len(diff)} tensor(s) differ: {'; '.join(diff[:12])}\n  "
+                                        f"{first_divergence(reference, f)}" if diff else "bit-exact")
+            for (name, diff), f in zip(verdicts.items(), (folder, here))))
+
+
+def differences(a, b, where="") -> list[str]:
+    """Every leaf of two nested checkpoint values that is not equal bit for bit, as
+    ``path: how`` (for a tensor: elements that differ, the largest difference and where)."""
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return [f"{where}: {getattr(b, 'shape', type(b))} {getattr(b, 'dtype', '')} vs {a.shape} {a.dtype}"]
+        if torch.equal(a, b):
+            return []
+        diff = (a.double() - b.double()).abs()
+        flat = int(diff.reshape(-1).argmax())
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)) if a.dim() else ()
+        return [f"{where}: {int((a != b).sum())} of {a.numel()} elements, largest {float(diff.max()):.3g} at {index}"]
+    if isinstance(a, dict):
+        if set(a) != set(b):
+            return [f"{where}: keys {sorted(set(a) ^ set(b), key=str)} in one only"]
+        return [d for k in a for d in differences(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: {len(b)} items vs {len(a)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{where}[{i}]")]
+    return [] if a == b or (a != a and b != b) else [f"{where}: {b!r} vs {a!r}"]
 
 
 def first_divergence(whole: Path, resumed: Path) -> str:
