@@ -106,6 +106,65 @@ def test_the_fingerprint_follows_replaced_tensors():
     assert [n for n, _ in reachable_tensors([("m", m)], paths=True, skip_parameters=True)] == ["m.cache['scale']"]
 
 
+def _plain_walk(obj, path, out, seen, skip_parameters=False):
+    """The walk :func:`reachable_tensors` makes, written plainly (one call per value)."""
+    if isinstance(obj, torch.Tensor):
+        out.append((path, obj))
+        return
+    if obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.device, torch.dtype)) or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _plain_walk(v, f"{path}[{k!r}]", out, seen, skip_parameters)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _plain_walk(v, f"{path}[{i}]", out, seen, skip_parameters)
+    elif isinstance(obj, torch.nn.Module):
+        for name, v in vars(obj).items():
+            if name in ("_parameters", "_buffers"):
+                out += [] if skip_parameters else [(f"{path}.{n}", t) for n, t in v.items() if t is not None]
+            elif name == "_modules":
+                for n, m in v.items():
+                    _plain_walk(m, f"{path}.{n}", out, seen, skip_parameters)
+            elif not name.startswith("_compiled") and not name.endswith("_hooks"):
+                _plain_walk(v, f"{path}.{name}", out, seen, skip_parameters)
+    elif type(obj).__module__.startswith("speedrun."):
+        for name, v in getattr(obj, "__dict__", {}).items():
+            _plain_walk(v, f"{path}.{name}", out, seen, skip_parameters)
+
+
+def test_the_walk_finds_every_tensor_once_in_a_fixed_order(tmp_path, kernels_use_references):
+    """On a real model (the candidate's FP8 caches, scales and accumulators after a few steps) and
+    its optimizer: the tensors, names and order of the plain walk, each object entered once."""
+    session = _session(tmp_path, CANDIDATE)
+    try:
+        for _ in range(3):
+            session.step()
+    finally:
+        session.close()
+    model, opt = session.model, session.recipe.optimizer
+    shared = torch.ones(2)
+    model.extra_probe = {"a": [shared, (shared, None, 3, "x")], "b": torch.device("cpu")}  # one tensor, twice
+    try:
+        for roots in ([("model", model)], [("optimizer", opt)], [("model", model), ("optimizer", opt)]):
+            for skip in (False, True):
+                want: list = []
+                seen: set = set()
+                for name, root in roots:
+                    _plain_walk(root, name, want, seen, skip)
+                got = reachable_tensors(roots, paths=True, skip_parameters=skip)
+                assert [n for n, _ in got] == [n for n, _ in want]
+                assert all(a is b for (_, a), (_, b) in zip(got, want))
+                unnamed = reachable_tensors(roots, skip_parameters=skip)  # the fingerprint's walk
+                assert len(unnamed) == len(got) and all(a is b for (_, a), (_, b) in zip(unnamed, got))
+        names = [n for n, _ in reachable_tensors([("model", model)], paths=True)]
+        assert "model.extra_probe['a'][0]" in names and "model.extra_probe['a'][1][0]" in names
+        assert len(names) > 40  # the FP8 state is in there, not only the parameters
+    finally:
+        del model.extra_probe
+
+
 def test_host_state_round_trip(tmp_path, kernels_use_references):
     session = _session(tmp_path, CANDIDATE)
     try:

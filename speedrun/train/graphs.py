@@ -103,18 +103,34 @@ def graphs_enabled(setting: str, device: torch.device) -> bool:
 # What a graph bakes in
 
 
+# Values a walk for tensors never enters; exact types, checked before any call (the walk runs
+# every step, and most attributes of a module are such values).
+_LEAF_TYPES = frozenset({str, bytes, int, float, bool, type(None), torch.device, torch.dtype})
+
+
 def reachable_tensors(roots: Sequence[tuple[str, Any]], *, paths: bool = False,
                       skip_parameters: bool = False) -> list[tuple[str, torch.Tensor]]:
     """Every tensor reachable from ``roots`` (name, object) through attributes of nn.Modules and
     of objects defined in this package, dicts, lists and tuples, in a fixed order.  Tensors are
     not entered (their ``.grad`` is not included).  ``paths``: name each one (slower; for
     messages), else the names are "".  ``skip_parameters``: leave out the modules' parameters and
-    registered buffers."""
+    registered buffers.  Runs on the host every step (the step and update keys), so values that
+    hold no tensor are skipped by their exact type before any call."""
     out: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
+    leaves, tensor_type, module_type = _LEAF_TYPES, torch.Tensor, torch.nn.Module
+
+    def visit_all(items, path: str, label) -> None:
+        for k, v in items:
+            if type(v) in leaves:
+                continue
+            if isinstance(v, tensor_type):
+                out.append((f"{path}{label(k)}" if paths else "", v))
+            else:
+                visit(v, f"{path}{label(k)}" if paths else "")
 
     def visit(obj: Any, path: str) -> None:
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, tensor_type):
             out.append((path, obj))
             return
         if obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.device, torch.dtype)):
@@ -123,12 +139,10 @@ def reachable_tensors(roots: Sequence[tuple[str, Any]], *, paths: bool = False,
             return
         seen.add(id(obj))
         if isinstance(obj, dict):
-            for k, v in obj.items():
-                visit(v, f"{path}[{k!r}]" if paths else "")
+            visit_all(obj.items(), path, lambda k: f"[{k!r}]")
         elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                visit(v, f"{path}[{i}]" if paths else "")
-        elif isinstance(obj, torch.nn.Module):
+            visit_all(enumerate(obj), path, lambda i: f"[{i}]")
+        elif isinstance(obj, module_type):
             for name, v in vars(obj).items():
                 if name in ("_parameters", "_buffers"):
                     if not skip_parameters:
@@ -138,13 +152,16 @@ def reachable_tensors(roots: Sequence[tuple[str, Any]], *, paths: bool = False,
                 elif name == "_modules":
                     for n, m in v.items():
                         visit(m, f"{path}.{n}" if paths else "")
-                elif not name.startswith("_compiled") and not name.endswith("_hooks"):
+                elif type(v) in leaves or name.startswith("_compiled") or name.endswith("_hooks"):
+                    continue
+                elif isinstance(v, tensor_type):
+                    out.append((f"{path}.{name}" if paths else "", v))
+                else:
                     visit(v, f"{path}.{name}" if paths else "")
         elif type(obj).__module__.startswith("speedrun."):
             attrs = getattr(obj, "__dict__", None)
             if attrs is not None:
-                for name, v in attrs.items():
-                    visit(v, f"{path}.{name}" if paths else "")
+                visit_all(attrs.items(), path, lambda k: f".{k}")
 
     for name, root in roots:
         visit(root, name)
