@@ -435,3 +435,63 @@ def test_our_launchers_note_their_compulsory_bytes():
         ("_abs_max_kernel", "memory", M * K * 2 + 4 * partials, 0),
         ("_dual_layout_kernel", "memory", M * K * (2 + 1 + 1) + 4 * partials, 0),
         ("_relu2_gemm_kernel", "gemm", (M * K + N * K) * 2 + M * N * (2 + 1), 2 * M * N * K)]
+
+
+def _written_profile(folder, arm, device, steps, kernels, device_only=True):
+    """A profile.json as ``speedrun profile`` writes it, from hand-made device kernels
+    ``[(name, start_us, end_us)]`` (its kernel table and timeline computed by the real code)."""
+    ev = [_timed_kernel(n, s, e) for n, s, e in kernels]
+    report = prof.ProfileReport(arm, device, steps, Ceilings(), [], prof.kernel_table(ev),
+                                total_us=sum(e - s for _, s, e in kernels), timeline=prof.gpu_timeline(ev),
+                                device_only=device_only)
+    return prof.write_profile(report, folder)["json"]
+
+
+def test_profile_diff_per_step_by_kernel_and_timeline(tmp_path, capsys):
+    """Two profiles of the same step: per-step times (each over its own step count), kernels of
+    two instantiations merged by base name, kernels of one side only, the timeline's busy and
+    idle, ranked by the size of the difference; the CLI prints it and writes the JSON."""
+    from speedrun.evidence.profile_diff import diff_profiles, load_profile, render_diff
+
+    h100 = "NVIDIA H100 80GB HBM3"
+    # eager: 2 steps; each: gemm<1> 10 us, gemm<2> 10 us, memset 2 us, then an idle gap of 8 us
+    eager = [k for t0 in (0.0, 40.0) for k in (("void gemm<1>(int)", t0, t0 + 10), ("void gemm<2>(int)", t0 + 10, t0 + 20),
+                                                ("elementwise", t0 + 20, t0 + 22))]
+    # graphs: 1 step; the gemms slower (24 us together), no elementwise, a zeroing kernel of 3 us, no gap
+    graph = [("void gemm<1>(int)", 0.0, 12.0), ("void gemm<2>(int)", 12.0, 24.0), ("zero_grads", 24.0, 27.0)]
+    a = _written_profile(tmp_path / "e", "e", h100, 2, eager)
+    b = _written_profile(tmp_path / "g", "g", h100, 1, graph)
+    res = diff_profiles(load_profile(tmp_path / "e"), load_profile(b))  # a folder or the file
+    rows = {r["kernel"]: r for r in res["rows"]}
+    assert set(rows) == {"gemm", "elementwise", "zero_grads"}
+    assert rows["gemm"]["base_calls"] == 2.0 and rows["gemm"]["other_calls"] == 2.0
+    assert rows["gemm"]["base_us"] == 20.0 and rows["gemm"]["other_us"] == 24.0 and rows["gemm"]["delta_us"] == 4.0
+    assert rows["zero_grads"]["base_calls"] == 0.0 and rows["zero_grads"]["delta_us"] == 3.0
+    assert rows["elementwise"]["delta_us"] == -2.0
+    assert [r["kernel"] for r in res["rows"]] == ["gemm", "zero_grads", "elementwise"]  # by |delta|
+    assert res["kernel_us"] == {"base": 22.0, "other": 27.0, "delta": 5.0}
+    # eager's timeline: span 62 over 2 steps, one 18 us gap between the steps
+    assert res["timeline"]["span_us"] == {"base": 31.0, "other": 27.0, "delta": -4.0}
+    assert res["timeline"]["idle_us"]["base"] == 9.0 and res["timeline"]["idle_us"]["other"] == 0.0
+    assert not res["warnings"]
+    md = render_diff(res)
+    assert "| device idle | 0.009 | 0.000 | -0.009 |" in md and "| `gemm` | 2.0 | 2.0 | 0.020 | 0.024 | +0.004 |" in md
+
+    out = tmp_path / "diff.json"
+    assert main(["profile", "--diff", str(a), str(tmp_path / "g"), "--json", str(out)]) == 0
+    assert "# Profile diff: g against e (per step)" in capsys.readouterr().out
+    assert json.loads(out.read_text())["kernel_us"]["delta"] == 5.0
+
+    # unlike profiles say so; bad files are one clear line
+    c = _written_profile(tmp_path / "h200", "g", "NVIDIA H200", 1, graph, device_only=False)
+    res = diff_profiles(load_profile(a), load_profile(c))
+    assert any("different devices" in w for w in res["warnings"]) and any("device activity only" in w for w in res["warnings"])
+    (tmp_path / "bad.json").write_text(json.dumps({"kernels": [{"kernel": "x"}], "steps": 1}))
+    (tmp_path / "notjson.json").write_text("{")
+    for bad, needle in ((tmp_path / "missing", "no such profile"), (tmp_path / "bad.json", "lacks kernel/calls/time_us"),
+                        (tmp_path / "notjson.json", "not a readable JSON"), (tmp_path / "diff.json", "not a 'speedrun profile' JSON")):
+        assert main(["profile", "--diff", str(a), str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("speedrun profile --diff: ") and needle in err and len(err.splitlines()) == 1, err
+    assert main(["profile", "--json", str(out)]) == 2
+    assert "--json goes with --diff" in capsys.readouterr().err

@@ -265,3 +265,20 @@ def test_gpu_clocks_summarizes_each_phase_from_busy_samples(tmp_path, capsys, mo
     (tmp_path / "empty.csv").write_text("timestamp, clocks.sm\n")
     assert mod.main([str(tmp_path / "empty.csv")]) == 2
     assert "no nvidia-smi rows" in capsys.readouterr().err
+
+
+def test_device_run_profiles_each_arm_under_its_name_and_diffs_the_later_ones(tmp_path):
+    """The profile part names each arm's files by the arm's name (an arm spec holds '=' and ':'),
+    and diffs every later arm against the first."""
+    bash, script, bin_dir, calls = _device_run_with_recording_python(tmp_path)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "BUDGET_S": "30",
+           "SPEEDRUN_TEST_DATA": str(tmp_path), "PROFILE_DEVICE_ONLY": "1",
+           "PROFILE_ARMS": "e=record:train.cuda_graphs=off g=record"}
+    res = subprocess.run([bash, str(script), "profile"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    lines = calls.read_text().splitlines()
+    runs = [line for line in lines if line.startswith("-m speedrun profile --arm")]
+    assert len(runs) == 2, res.stdout + res.stderr
+    assert "--out /tmp/prof_e " in runs[0] and "--arm e=record:train.cuda_graphs=off" in runs[0]
+    assert "--device-only" in runs[0] and "--out /tmp/prof_g " in runs[1]
+    diffs = [line for line in lines if "profile --diff" in line]
+    assert diffs == [f"-m speedrun profile --diff /tmp/prof_e /tmp/prof_g --top 40 --json {tmp_path}/out/profile_diff_g_vs_e.json"]

@@ -122,22 +122,33 @@ for part in $parts; do
       # step, so not for a simulated rank)
       if [ -z "${AS_RANK_OF:-}" ]; then for f in "$@"; do vs_upstream "$f" 20; done; fi ;;
     profile)
-      # PROFILE_ARMS: which presets; PROFILE_STAGE: the stage index whose shapes are profiled (default 2);
-      # PROFILE_DEVICE_ONLY=1: GPU activity alone (the timeline's idle gaps near an unprofiled step's,
-      # no op rows) instead of ops with shapes and Python stacks
+      # PROFILE_ARMS: arms NAME=PRESET[:overrides] or presets; PROFILE_STAGE: the stage index whose
+      # shapes are profiled (default 2); PROFILE_DEVICE_ONLY=1: GPU activity alone (the timeline's
+      # idle gaps near an unprofiled step's, no op rows) instead of ops with shapes and Python
+      # stacks.  With two or more arms, every later arm is diffed against the first, kernel by
+      # kernel (e.g. PROFILE_ARMS="e=record:train.cuda_graphs=off g=record" PROFILE_DEVICE_ONLY=1).
+      first=""
       for arm in ${PROFILE_ARMS:-record candidate}; do
+        name=${arm%%=*}
         log "profile $arm at stage index ${PROFILE_STAGE:-2} (2: stage-3 shapes), ${PROFILE_STEPS:-2} steps"
         pflags="--stacks"; [ "${PROFILE_DEVICE_ONLY:-0}" = 1 ] && pflags="--device-only --no-measure"
         timeout "$(left 300)" python3 -m speedrun profile --arm "$arm" --stage "${PROFILE_STAGE:-2}" \
           --steps "${PROFILE_STEPS:-2}" --warmup 2 $pflags \
-          --set train.max_docs=256 --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --out "/tmp/prof_$arm" --top 25 2>&1 | tail -45
-        cp "/tmp/prof_$arm/profile.md" "$OUT/profile_${arm}_stage${PROFILE_STAGE:-2}.md" 2>/dev/null
-        cp "/tmp/prof_$arm/profile.json" "$OUT/profile_${arm}_stage${PROFILE_STAGE:-2}.json" 2>/dev/null
+          --set train.max_docs=256 --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --out "/tmp/prof_$name" --top 25 2>&1 | tail -45
+        cp "/tmp/prof_$name/profile.md" "$OUT/profile_${name}_stage${PROFILE_STAGE:-2}.md" 2>/dev/null
+        cp "/tmp/prof_$name/profile.json" "$OUT/profile_${name}_stage${PROFILE_STAGE:-2}.json" 2>/dev/null
+        if [ -z "$first" ]; then
+          first=$name
+        else
+          python3 -m speedrun profile --diff "/tmp/prof_$first" "/tmp/prof_$name" --top 40 \
+            --json "$OUT/profile_diff_${name}_vs_${first}.json" > "$OUT/profile_diff_${name}_vs_${first}.md" 2>&1
+          head -20 "$OUT/profile_diff_${name}_vs_${first}.md"
+        fi
         # the generated source of the slowest Inductor kernels, to read why they are slow (one
         # file: the device tool brings back only a few files per folder)
-        python3 tools/inductor_sources.py "/tmp/prof_$arm/profile.json" --top "${INDUCTOR_TOP:-8}" \
-          --out "/tmp/inductor_$arm" 2>&1 | tail -12
-        cat /tmp/inductor_"$arm"/*.py > "$OUT/inductor_$arm.txt" 2>/dev/null
+        python3 tools/inductor_sources.py "/tmp/prof_$name/profile.json" --top "${INDUCTOR_TOP:-8}" \
+          --out "/tmp/inductor_$name" 2>&1 | tail -12
+        cat /tmp/inductor_"$name"/*.py > "$OUT/inductor_$name.txt" 2>/dev/null
       done ;;
     ncu)
       # Measured DRAM bytes of our own Triton kernels (NCU_KERNELS regex) in one record step at stage

@@ -218,6 +218,9 @@ examples:
   speedrun profile --arm tiny --steps 2 --peak-tflops 0.1 --peak-tbps 0.02      (CPU)
   speedrun profile --arm small --data 'data/fineweb10B/fineweb_train_*.bin' --steps 5 --out prof/small
   speedrun profile --arm record --data ... --steps 1 --ncu --ncu-kernels '_relu2|_dual_layout|_ce_'
+  speedrun profile --arm e=record:train.cuda_graphs=off --stage 2 --device-only --data ... --out prof/e
+  speedrun profile --arm g=record --stage 2 --device-only --data ... --out prof/g
+  speedrun profile --diff prof/e prof/g      (where the graph step's time goes against the eager one's)
 """
 
 
@@ -351,11 +354,22 @@ def _add_profile(sub) -> None:
                    help="record GPU activity alone (no op rows): the timeline's idle gaps as in an unprofiled step")
     p.add_argument("--top", type=int, default=30, help="rows per table on screen (default 30)")
     p.add_argument("--device", help="cpu, cuda or auto (sets train.device)")
+    p.add_argument("--diff", nargs=2, metavar=("BASE", "OTHER"),
+                   help="profile nothing: compare two earlier profiles (profile.json or its --out folder) per "
+                        "step, device busy/idle time and kernel by kernel (e.g. eager against CUDA graphs)")
+    p.add_argument("--json", metavar="FILE", help="with --diff: also write the comparison as JSON")
     _arm_common(p)
     p.set_defaults(func=_profile)
 
 
 def _profile(args) -> int:
+    if args.diff:
+        from speedrun.evidence.profile_diff import cli_diff
+
+        return cli_diff(*args.diff, top=args.top, json_out=args.json)
+    if args.json:
+        print("speedrun profile: --json goes with --diff (a profile writes profile.json into --out)", file=sys.stderr)
+        return 2
     from speedrun.evidence.profile import cli_profile
 
     return cli_profile(args)
