@@ -16,6 +16,7 @@ from speedrun.errors import ConfigError
 from speedrun.kernels.step_values import StepValues
 from speedrun.train.graphs import (
     STEPS_UNTIL_REPLAY,
+    STEPS_UNTIL_UPDATE_REPLAY,
     _relative_error,
     graphs_enabled,
     reachable_tensors,
@@ -262,9 +263,12 @@ def test_graph_bookkeeping_takes_the_eager_steps(tmp_path, kernels_use_reference
     assert summary["captures"] == 2 and summary["replayed_steps"] == 9 - STEPS_UNTIL_REPLAY
     assert summary["eager_steps"] == 3 and summary["check_worst_rel_err"] == 0.0
     # the optimizer's updates: keyed on the gradients' addresses too, so they repeat once the loop
-    # writes its run-long gradient buffers; both parities captured, later ones replayed
-    assert summary["update_graphs"] == summary["update_captures"] == 2, summary
-    assert summary["replayed_updates"] >= 2, summary
+    # writes its run-long gradient buffers; both parities captured, later ones replayed.  An eager
+    # step's gradients may land where an earlier eager step's were (the heap reuses the freed
+    # blocks, depending on what ran before in the process), which repeats that key early and
+    # captures it too: legal (a replay needs those addresses again), so not counted exactly.
+    assert summary["update_graphs"] == summary["update_captures"] >= 2, summary
+    assert summary["replayed_updates"] >= 9 - STEPS_UNTIL_UPDATE_REPLAY, summary
     assert summary["eager_updates"] + summary["replayed_updates"] + summary["update_captures"] == 9, summary
 
 

@@ -22,6 +22,7 @@ from speedrun.kernels.qkv_pack import (
     packed_qkv_linear,
     packed_qkv_linear_reference,
     packed_weight_reference,
+    repack_qkv_fp8,
 )
 
 needs_kernel = pytest.mark.skipif(
@@ -89,6 +90,67 @@ def test_pack_delayed_scale_saturates_and_measures_amax():
     assert p.data.float().abs().max().item() == FP8_MAX[E4M3]
     assert torch.equal(p.amax, amax)  # measured on the way, for the next delayed scale
     assert torch.allclose(delayed_scale(p.amax), amax * 1.12 / 448)
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False], ids=["triton", "reference"])
+def test_repack_of_all_layers_equals_each_layer_packed_with_its_delayed_scale(kernel, monkeypatch):
+    """repack_qkv_fp8 (all layers' scalars as vectors) gives, in every layer's own tensors (same
+    addresses), the bits of pack_qkv_fp8 with delayed_scale(last amax), for signs of sa either
+    way; poisoned payloads and a stale amax are overwritten; the Triton path and the reference
+    arithmetic both."""
+    import speedrun.kernels.qkv_pack as qp
+
+    if not kernel:
+        monkeypatch.setattr(qp, "triton_usable", lambda *a: False)
+    layers = 3
+    qk, vo, sc = banks(5, layers)
+    src = [(qk[j * H:(j + 1) * H], vo[2 * j], sc[2 * j]) for j in range(layers)]  # sa 0.5, -0.7, 1.3
+    packs = [pack_qkv_fp8(*s, num_heads=H) for s in src]  # last update's (current scaling)
+    with torch.no_grad():  # the weights move, as an optimizer update moves them
+        qk.mul_(1.25)
+        vo.add_(0.01)
+    want = [pack_qkv_fp8(*s, num_heads=H, scale=delayed_scale(p.amax)) for s, p in zip(src, packs)]
+    addresses = [(p.data.data_ptr(), p.data_t.data_ptr(), p.scale.data_ptr(), p.raw_scale.data_ptr(),
+                  p.amax.data_ptr()) for p in packs]
+    for p in packs:
+        p.data.copy_(poisoned_out()[0])
+        p.data_t.copy_(poisoned_out()[1])
+    packs[1].amax.mul_(1.0)  # its value is read before it is zeroed: the delayed scale comes from it
+    repack_qkv_fp8(packs, src)
+    for j, (p, w) in enumerate(zip(packs, want)):
+        assert torch.equal(bits(p.data), bits(w.data)) and torch.equal(bits(p.data_t), bits(w.data_t)), j
+        for name in ("scale", "raw_scale", "amax"):
+            assert torch.equal(getattr(p, name), getattr(w, name)), (j, name)
+    assert addresses == [(p.data.data_ptr(), p.data_t.data_ptr(), p.scale.data_ptr(), p.raw_scale.data_ptr(),
+                          p.amax.data_ptr()) for p in packs]
+    assert packs[1].scale.item() > 0  # sa < 0 is folded into the payload's sign, not the scale
+    with pytest.raises(ValueError, match="3 packed weights but 2 sources"):
+        repack_qkv_fp8(packs, src[:2])
+
+
+def test_the_candidate_repacks_every_layer_at_once_after_its_first_update(monkeypatch):
+    """RecordGPT.refresh_fp8_weights packs layer by layer at the first update and after a resume
+    (the saved scales are replayed), and through repack_qkv_fp8 at every other update."""
+    import speedrun.kernels.qkv_pack as qp
+    from speedrun.config import apply_overrides, preset
+    from speedrun.model import build_model
+
+    cfg = preset("tiny-candidate")
+    apply_overrides(cfg, ["model.kernels=reference"])
+    model = build_model(cfg.model)
+    calls = []
+    real = qp.repack_qkv_fp8
+    monkeypatch.setattr(qp, "repack_qkv_fp8", lambda packs, src: calls.append(len(packs)) or real(packs, src))
+    model.refresh_fp8_weights()
+    assert calls == [] and len(model._qkv_fp8) == len(model.attn_layers)
+    model.refresh_fp8_weights()
+    assert calls == [len(model.attn_layers)]
+    state = model.fp8_state_dict()
+    model.load_fp8_state_dict(state)
+    model.refresh_fp8_weights()  # the replayed scales: layer by layer
+    assert calls == [len(model.attn_layers)]
+    model.refresh_fp8_weights()
+    assert calls == [len(model.attn_layers)] * 2
 
 
 def test_column_order_and_reference_weight():

@@ -76,6 +76,7 @@ __all__ = [
     "pack_qkv_fp8",
     "pack_qkv_fp8_reference",
     "packed_column_order",
+    "repack_qkv_fp8",
     "packed_qkv_linear",
     "packed_qkv_linear_reference",
     "packed_weight_reference",
@@ -287,28 +288,78 @@ def pack_qkv_fp8(
     if not triton_usable(w_qk):
         return pack_qkv_fp8_reference(w_qk, w_v, sa_lambda, num_heads=num_heads, scale=scale, out=(data, data_t))
     dev = w_qk.device
-    qk2 = _qk_2d(w_qk, H, dqk)
     sa = _sa_tensor(sa_lambda, dev)
-    bn, bd, warps = _INTERP_PACK_CONFIG if interpreting() else PACK_CONFIG
-    grid = (cdiv(N, bn), cdiv(D, bd))
-    u8, u8t = data.view(torch.uint8), data_t.view(torch.uint8)
-
-    def run_pack(amax_only, inv, amax):
-        with launch_note("_pack_kernel", reads=(qk2, w_v), writes=() if amax_only else (data, data_t)):
-            launch(_pack_kernel, grid,
-                qk2, w_v, inv, u8, u8t, amax, N, qk2.stride(0), w_v.stride(0),
-                H=H, DQK=dqk, DV=dv, D=D, AMAX_ONLY=amax_only, FMAX=FP8_MAX[E4M3],
-                BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, **grid_constants(E4M3),
-            )
-
     first = None
     if scale is None:
         first = torch.zeros((), dtype=torch.float32, device=dev)
-        run_pack(True, sa, first)  # inv unused in amax-only mode
+        _launch_pack(w_qk, w_v, (H, dqk, dv, D, N), sa, first, data, data_t, amax_only=True)  # inv unused
     raw, inv, deq = _scales(first, scale, sa)
     amax = torch.zeros((), dtype=torch.float32, device=dev)
-    run_pack(False, inv.reshape(()).contiguous(), amax)
+    _launch_pack(w_qk, w_v, (H, dqk, dv, D, N), inv.reshape(()).contiguous(), amax, data, data_t)
     return PackedQKV(data, data_t, deq, raw, amax, H, dqk, dv)
+
+
+def _launch_pack(w_qk, w_v, dims, inv, amax, data, data_t, amax_only: bool = False) -> None:
+    """The pack kernel over one layer: max-accumulate ``max |w|`` into ``amax`` (0-d fp32) and,
+    unless ``amax_only``, quantise ``[Q|K|V]`` times ``inv`` (0-d fp32) into ``data``/``data_t``."""
+    H, dqk, dv, D, N = dims
+    qk2 = _qk_2d(w_qk, H, dqk)
+    bn, bd, warps = _INTERP_PACK_CONFIG if interpreting() else PACK_CONFIG
+    grid = (cdiv(N, bn), cdiv(D, bd))
+    with launch_note("_pack_kernel", reads=(qk2, w_v), writes=() if amax_only else (data, data_t)):
+        launch(_pack_kernel, grid,
+            qk2, w_v, inv, data.view(torch.uint8), data_t.view(torch.uint8), amax, N, qk2.stride(0), w_v.stride(0),
+            H=H, DQK=dqk, DV=dv, D=D, AMAX_ONLY=amax_only, FMAX=FP8_MAX[E4M3],
+            BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, **grid_constants(E4M3),
+        )
+
+
+def repack_qkv_fp8(packs: list[PackedQKV], sources: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | float]],
+                   headroom: float = WEIGHT_HEADROOM) -> None:
+    """Every layer's delayed-scaled repack at once, in place: for each ``packs[j]`` (last update's
+    :class:`PackedQKV`) and ``sources[j] = (w_qk, w_v, sa_lambda)`` as :func:`pack_qkv_fp8` takes
+    them, the same bits as ``pack_qkv_fp8(w_qk, w_v, sa, scale=delayed_scale(packs[j].amax),
+    out=(data, data_t))`` copied into ``packs[j]``'s tensors (which keep their addresses).
+
+    Why: per layer that is a dozen small launches for a handful of scalars (the delayed scale,
+    sign of sa, quantisation multiplier, dequantisation scale, the amax's zeroing and three
+    copies), issued by the host after every optimizer update; here the scalars of all layers are
+    computed as vectors (a few launches in all) and each layer costs one pack launch."""
+    if len(packs) != len(sources):
+        raise ValueError(f"repack_qkv_fp8: {len(packs)} packed weights but {len(sources)} sources")
+    if not packs:
+        return
+    fmax = FP8_MAX[E4M3]
+    dims = []
+    for pk, (w_qk, w_v, sa) in zip(packs, sources):
+        H, dqk, dv, D, N = _check_pack_args(w_qk, w_v, sa, pk.num_heads, None, "repack_qkv_fp8")
+        _pack_outputs((pk.data, pk.data_t), N, D, w_qk.device, "repack_qkv_fp8")
+        dims.append((H, dqk, dv, D, N))
+    dev = packs[0].data.device
+    raw = headroom_scale(torch.stack([pk.amax.float().reshape(()) for pk in packs]), headroom, fmax)
+    sa = torch.stack([_sa_tensor(s[2], dev) for s in sources])
+    inv = torch.where(sa < 0, -1.0, 1.0) / raw
+    deq = raw * sa.abs()
+    amaxes = [pk.amax for pk in packs]
+    torch._foreach_zero_(amaxes)
+    for j, (pk, (w_qk, w_v, _), d) in enumerate(zip(packs, sources, dims)):
+        _pack_into(w_qk, w_v, d, inv[j], pk.amax, pk.data, pk.data_t)
+    torch._foreach_copy_([pk.raw_scale for pk in packs], list(raw.unbind()))
+    torch._foreach_copy_([pk.scale for pk in packs], list(deq.unbind()))
+
+
+def _pack_into(w_qk, w_v, dims, inv, amax, data, data_t) -> None:
+    """:func:`_launch_pack` (``amax`` zeroed by the caller), or on a device without Triton the
+    reference's arithmetic on the same scalars."""
+    if triton_usable(w_qk):
+        _launch_pack(w_qk, w_v, dims, inv, amax, data, data_t)
+        return
+    w = packed_weight_reference(w_qk.detach(), w_v.detach(), dims[0]).float()
+    amax.copy_(torch.maximum(amax, w.abs().amax()))
+    fmax = FP8_MAX[E4M3]
+    q = (w * inv).clamp(-fmax, fmax).to(E4M3)
+    data.copy_(q)
+    data_t.copy_(q.t())
 
 
 def pack_qkv_fp8_reference(

@@ -566,23 +566,31 @@ class RecordGPT(TrainableModel):
             prev = self._head_fp8[0] if self._head_fp8 is not None else None
             self._head_fp8 = (quantize_head_weight(w, W_SCALE, out=prev), self.lm_head._version)
         if self.cfg.qkv_path == "fused_fp8":
-            from speedrun.kernels.qkv_pack import delayed_scale, pack_qkv_fp8
+            from speedrun.kernels.qkv_pack import delayed_scale, pack_qkv_fp8, repack_qkv_fp8
 
             H = self.num_heads
+            sources = {}  # attention index j -> (w_qk, w_v, sa_lambda)
             for i in self.attn_layers:
                 j = self.attn_index[i]
-                prev = self._qkv_fp8.get(j)
-                if j in self._qkv_replay:
-                    scale = self._qkv_replay.pop(j)
-                else:
-                    scale = None if prev is None else delayed_scale(prev.amax)
-                packed = pack_qkv_fp8(self.qk_bank[j * H : (j + 1) * H], self.vo_bank[2 * j], self.scalars[2 * i],
-                                      num_heads=H, scale=scale, out=None if prev is None else (prev.data, prev.data_t))
-                if prev is not None:  # every tensor keeps its address (CUDA graphs read them)
-                    for name in ("scale", "raw_scale", "amax"):
-                        getattr(prev, name).copy_(getattr(packed, name))
-                    packed = prev
-                self._qkv_fp8[j] = packed
+                sources[j] = (self.qk_bank[j * H : (j + 1) * H], self.vo_bank[2 * j], self.scalars[2 * i])
+            if not self._qkv_replay and sorted(self._qkv_fp8) == sorted(sources):
+                # every update after the first: all layers delayed-scaled from their last amax, in one go
+                order = sorted(sources)
+                repack_qkv_fp8([self._qkv_fp8[j] for j in order], [sources[j] for j in order])
+            else:  # the first update, or the first after a resume (the saved scales replayed)
+                for j, (w_qk, w_v, sa) in sources.items():
+                    prev = self._qkv_fp8.get(j)
+                    if j in self._qkv_replay:
+                        scale = self._qkv_replay.pop(j)
+                    else:
+                        scale = None if prev is None else delayed_scale(prev.amax)
+                    packed = pack_qkv_fp8(w_qk, w_v, sa, num_heads=H, scale=scale,
+                                          out=None if prev is None else (prev.data, prev.data_t))
+                    if prev is not None:  # every tensor keeps its address (CUDA graphs read them)
+                        for name in ("scale", "raw_scale", "amax"):
+                            getattr(prev, name).copy_(getattr(packed, name))
+                        packed = prev
+                    self._qkv_fp8[j] = packed
             self._qkv_fp8_versions = self._qkv_sources_version()
 
     def _fp8_scale_states(self) -> list:

@@ -25,6 +25,7 @@ from speedrun.kernels.qkv_pack import (  # noqa: E402
     packed_qkv_linear,
     packed_qkv_linear_reference,
     packed_weight_reference,
+    repack_qkv_fp8,
 )
 
 H, DQK, DV, D, T = 6, 96, 128, 768, 8192
@@ -156,3 +157,23 @@ def test_packed_linear_delayed_input_scaling_record_shape(dw_fp8):
         for a, b, bound in zip(got, want, (6e-2, 9e-2, 9e-2 if dw_fp8 else 1e-2)):
             assert rel(a, b) < bound
         assert st.x_amax == x0.float().abs().max() and st.g_amax == dy.float().abs().max()
+
+
+def test_repack_of_ten_layers_equals_each_layer_packed_at_record_shape():
+    """repack_qkv_fp8 over the record's ten attention layers: each layer's bits, scales and amax
+    equal pack_qkv_fp8 with its delayed scale, in the layer's own tensors (one negative sa)."""
+    qk, vo, sc = _banks(3)
+    src = [(qk[j * H:(j + 1) * H], vo[2 * j], sc[2 * j]) for j in range(10)]
+    packs = [pack_qkv_fp8(*s, num_heads=H) for s in src]
+    with torch.no_grad():
+        qk.mul_(1.1)
+        vo.mul_(0.95)
+    want = [pack_qkv_fp8(*s, num_heads=H, scale=delayed_scale(p.amax)) for s, p in zip(src, packs)]
+    ptrs = [p.data.data_ptr() for p in packs]
+    repack_qkv_fp8(packs, src)
+    assert ptrs == [p.data.data_ptr() for p in packs]
+    for j, (p, w) in enumerate(zip(packs, want)):
+        assert torch.equal(p.data.view(torch.uint8), w.data.view(torch.uint8)), j
+        assert torch.equal(p.data_t.view(torch.uint8), w.data_t.view(torch.uint8)), j
+        for name in ("scale", "raw_scale", "amax"):
+            assert torch.equal(getattr(p, name), getattr(w, name)), (j, name)
