@@ -159,6 +159,26 @@ def test_host_profile_script_profiles_a_tiny_arm(tmp_path, capsys):
     assert "written:" in capsys.readouterr().out
 
 
+@pytest.mark.usefixtures("use_builtin_cache", "one_thread")
+def test_host_profile_script_profiles_a_simulated_rank(tmp_path, capsys):
+    """--as-rank-of N profiles rank 0's share of an N-rank step (the record recipe's optimizer
+    sharded over N, collectives as no-ops) and says so in its header."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("host_profile", SCRIPTS[0].parent / "host_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    small = ["model.num_layers=4", "model.model_dim=32", "model.num_heads=2", "model.qk_head_dim=12",
+             "train.batch_divisor=1024", "train.steps=24", "train.num_extension=3"]
+    args = ["--arm", "r=tiny-record", "--warmup", "1", "--steps", "1", "--top", "400", "--out", str(tmp_path),
+            "--as-rank-of", "2"]
+    for s in small:
+        args += ["--set", s]
+    assert mod.main(args) == 0
+    text = (tmp_path / "host_profile_r.txt").read_text()
+    assert "rank 0 of 2 simulated" in text and "run_step" in text and "simcomms.py" in text  # its no-op collectives ran
+
+
 def test_device_run_packs_more_than_eight_outputs(tmp_path):
     """The device tool brings back at most 8 files: device_run.sh archives the outputs beyond that."""
     import tarfile

@@ -10,7 +10,9 @@ most own time and the most cumulative time, one table per arm.
 Usage (GPU machine, repo root):
   python tools/host_profile.py --arm record --arm candidate --stage 0 \
       --data '/tmp/webmix/webmix_train_*.bin' --set train.max_docs=256 [--out DIR]
-Writes ``host_profile_<arm>.txt`` into ``--out`` (default ``$OUT`` or ``bench_out``).
+Writes ``host_profile_<arm>.txt`` into ``--out`` (default ``$OUT`` or ``bench_out``).  With CUDA
+graphs the warmup runs at least until every step key replays.  ``--as-rank-of N``: one rank's
+share of an N-GPU step, as ``speedrun bench step --as-rank-of N``.
 """
 
 from __future__ import annotations
@@ -27,18 +29,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def profile_arm(spec: str, common: list[str], stage: int, warmup: int, steps: int, top: int) -> str:
+def profile_arm(spec: str, common: list[str], stage: int, warmup: int, steps: int, top: int,
+                as_rank_of: int | None = None) -> str:
     import torch
 
     from speedrun import distributed
     from speedrun.evidence.arms import parse_arm
     from speedrun.evidence.bench import build_session
+    from speedrun.train.graphs import STEPS_UNTIL_REPLAY, STEPS_UNTIL_UPDATE_REPLAY
 
     arm = parse_arm(spec)
     cfg = arm.config(common)
     info = distributed.setup(cfg.train.device)
-    session = build_session(arm.name, cfg, stage, info)
+    session = build_session(arm.name, cfg, stage, info, simulate_world=as_rank_of)
     cuda = info.device.type == "cuda"
+    # with CUDA graphs, the profiled steps must replay (captures are not a step's host work)
+    if session.graphs is not None:
+        warmup = max(warmup, STEPS_UNTIL_REPLAY if session.graphs.updates is None else STEPS_UNTIL_UPDATE_REPLAY)
     try:
         for _ in range(warmup):
             session.step()
@@ -58,7 +65,8 @@ def profile_arm(spec: str, common: list[str], stage: int, warmup: int, steps: in
         session.close()
         distributed.teardown()
     out = io.StringIO()
-    out.write(f"# host profile: arm {arm.name} ({spec}), stage {stage}, {steps} steps after {warmup} warmup\n")
+    where = f", rank 0 of {as_rank_of} simulated" if as_rank_of else ""
+    out.write(f"# host profile: arm {arm.name} ({spec}), stage {stage}{where}, {steps} steps after {warmup} warmup\n")
     out.write(f"# host wall ms per step under cProfile: {', '.join(f'{w:.1f}' for w in wall)}\n\n")
     st = pstats.Stats(prof, stream=out)
     st.strip_dirs()
@@ -78,6 +86,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=45)
     p.add_argument("--data", help="training shards glob")
     p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--as-rank-of", type=int, metavar="N",
+                   help="one rank's share of an N-GPU step, collectives as no-ops (as 'bench step --as-rank-of')")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
     args = p.parse_args(argv)
     from speedrun.evidence.arms import data_overrides, parse_arm
@@ -85,7 +95,7 @@ def main(argv=None) -> int:
     common = data_overrides(args.data) + list(args.overrides)
     args.out.mkdir(parents=True, exist_ok=True)
     for spec in args.arm:
-        text = profile_arm(spec, common, args.stage, args.warmup, args.steps, args.top)
+        text = profile_arm(spec, common, args.stage, args.warmup, args.steps, args.top, args.as_rank_of)
         path = args.out / f"host_profile_{parse_arm(spec).name}.txt"
         path.write_text(text)
         print(text[:6000], flush=True)
