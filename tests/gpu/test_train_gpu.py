@@ -59,6 +59,12 @@ def test_record_code_path_trains_on_gpu(tmp_path, switches):
     ["model.kernels=fp8", "model.qkv_path=reference", "model.embedding_grad=atomic_graph"],
     # the MLP bank's gradient summed in place by beta=1 GEMMs, the gate GEMMs padded
     ["model.kernels=fp8", "model.qkv_path=reference", "model.mlp_weight_grad=accumulate", "model.gate_gemm_align=8"],
+    # merged micro-batches (stage 1's 4 chunks of 512 tokens as 2 of 1,024), both presets' switches
+    ["model.kernels=fp8", "model.mlp_input_quant=graph", "model.mlp_weight_grad=accumulate", "model.gate_gemm_align=8",
+     "train.optimizer_compile=true", "train.grad_accum=4", "train.min_micro_batch_tokens=1024"],
+    ["model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.qk_head_dim=16", "model.fp8_input_scaling=delayed",
+     "model.qk_prep_fp8_grad=true", "train.optimizer_compile=true", "train.grad_accum=4",
+     "train.min_micro_batch_tokens=1024"],
 ])
 def test_record_code_path_compiles_whole_and_trains_on_gpu(tmp_path, switches):
     """Compiled (one graph per shape, fused kernels as opaque ops): trains, and the warmup compiled
