@@ -234,7 +234,11 @@ def test_step_values_ring():
         assert buf.tolist() == [float(i), 0.5, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("switches", [RECORD, CANDIDATE], ids=["record", "candidate"])
+# merged micro-batches: four chunks of 32 tokens per step as two micro-batches of 64
+MERGED = ("train.grad_accum=4", "train.min_micro_batch_tokens=64")
+
+
+@pytest.mark.parametrize("switches", [RECORD, CANDIDATE, CANDIDATE + MERGED], ids=["record", "candidate", "merged"])
 def test_graph_bookkeeping_takes_the_eager_steps(tmp_path, kernels_use_references, switches):
     """StepGraphs with its capture stood in by re-running the loop (RerunCapture): keys, sightings,
     the self-check's snapshot and restore, gradient buffers (zeroed for a parameter without a
@@ -245,6 +249,11 @@ def test_graph_bookkeeping_takes_the_eager_steps(tmp_path, kernels_use_reference
     weights, summaries = [], []
     for graphs in (False, True):
         session = _session(tmp_path / str(graphs), switches)
+        if MERGED[1] in switches:  # the step really is two merged micro-batches
+            from speedrun.train.loop import micro_batching
+
+            mb = micro_batching(session.stage, session.cfg, session.info.world_size)
+            assert (mb.count, mb.merge) == (2, 2), mb
         if graphs:
             session.graphs = StepGraphs(session.run_model, session.recipe, session.info.device, session.dtype,
                                         capture_with=RerunCapture)
