@@ -46,6 +46,7 @@ def test_tiny_run_learns_and_writes_its_folder(tmp_path):
     log = (d / "log.txt").read_text()
     assert "step:30/30 val_loss:" in log and "step:30/30 train_time:" in log
     assert "seed: 1337" in log and "Running PyTorch" in log and "git commit:" in log
+    assert "attention backend: reference (model.attention_backend=auto)" in log  # auto, resolved on a CPU
     assert json.loads((d / "config.json").read_text())["train"]["steps"] == 30
     assert (d / "sample.txt").exists() and len(result.sample) > 0
     assert json.loads((d / "summary.json").read_text())["final_val_loss"] == pytest.approx(vals[-1])

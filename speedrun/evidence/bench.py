@@ -417,7 +417,7 @@ def _host_side(sessions: Sequence[Session], info, host_steps: int, sync_scan: bo
 
 def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info, chains=(1,)) -> dict[str, Any]:
     from speedrun.evidence.fingerprint import node_fingerprint
-    from speedrun.train.loop import micro_batching
+    from speedrun.train.loop import attention_backend_used, micro_batching
 
     base = series_name(sessions[0].name, chains[0], chains)
     out_arms = []
@@ -437,6 +437,9 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
                 "grad_accum": mb.count,
                 "micro_batch_tokens": mb.tokens,
                 "compile": cfg.train.compile,
+                # the backend that ran (model.attention_backend with auto resolved), so a figure
+                # says which attention kernel it timed
+                "attention_backend": attention_backend_used(cfg, s.info.device),
                 "dtype": str(s.dtype).replace("torch.", ""),
                 "parameters": sum(p.numel() for p in s.model.parameters()),
                 **d,
@@ -538,6 +541,9 @@ def render_table(result: dict[str, Any]) -> str:
         lines.append(("micro-batches per step of the simulated rank: " if result.get("simulation")
                       else "micro-batches per step: ") + ", ".join(
             f"{a['name']} {a.get('grad_accum')} x {a.get('micro_batch_tokens')}" for a in result["arms"]))
+    if any("attention_backend" in a for a in result["arms"]):  # files of older versions lack it
+        lines.append("attention backend: " + ", ".join(f"{a['name']} {a.get('attention_backend', '?')}"
+                                                       for a in result["arms"]))
     lines += _render_clocks(result)
     lines += _render_collections(result)
     lines += _render_host(result)

@@ -324,7 +324,17 @@ def _log_header(run: Run, log: RunLog) -> None:
     log.print(f"train shards: {len(run.train_files)} ({run.train_files[0]} ...) val shards: {len(run.val_files)}",
               console=False)
     log.print(f"parameters: {sum(p.numel() for p in run.model.parameters()):,}", console=False)
+    log.print(f"attention backend: {attention_backend_used(cfg, info.device)} "
+              f"(model.attention_backend={cfg.model.attention_backend})", console=False)
     log.print("=" * 100, console=False)
+
+
+def attention_backend_used(cfg: RunConfig, device: torch.device) -> str:
+    """The attention backend the model runs on ``device``: ``model.attention_backend`` with
+    ``auto`` resolved (the preference order and self-checks of :mod:`speedrun.attention`)."""
+    from speedrun.attention import resolve_backend
+
+    return resolve_backend(cfg.model.attention_backend, device)
 
 
 def warm_up_and_reset(run: Run, log: RunLog) -> None:
