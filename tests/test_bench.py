@@ -93,6 +93,7 @@ def test_bench_step_two_arms_table_and_json(tmp_path, capsys):
     assert base["peak_mib"] is None and "peak MiB" in text  # memory is measured on CUDA only
     # the attention kernel each arm ran: auto resolved (on a CPU, the reference) or as named
     assert base["attention_backend"] == "reference" and "attention backend: base reference, cand reference" in text
+    assert "comm_bytes_per_step" not in base  # counted for a simulated rank only (--as-rank-of)
 
 
 def test_arms_report_every_step_loss_and_one_preset_trains_alike():

@@ -230,3 +230,50 @@ def test_upstream_joins_as_the_baseline_on_its_presets_schedule(tmp_path, capsys
     bad.write_text(json.dumps({"arms": []}))
     with pytest.raises(ConfigError, match="not a 'tools/upstream_step_times.py --json' file"):
         load_upstream(f"u={bad}:record")
+
+
+def test_link_bandwidth_adds_the_simulated_collectives_as_an_upper_bound(tmp_path, capsys):
+    """--link-gbps: each stage's bytes per step (as a simulated rank counted them) become ring
+    time at the bus bandwidth, summed over each arm's own schedule on top of the compute-only
+    total; refused for real ranks and for files without the counts."""
+    from speedrun.evidence.projection import comm_ms, render
+
+    base, cand = _arms()
+    moved = {"all_reduce": 1e6, "reduce_scatter": 8e8, "all_gather": 8e8, "all_to_all": 2e6}
+    # ring accounting on 8 ranks: 2*7/8 of the all-reduce, 7/8 of the rest, the all-to-all as sent
+    want = (2 * 7 / 8 * 1e6 + 7 / 8 * 1.6e9 + 2e6) / 400e9 * 1e3
+    assert comm_ms(moved, 8, 400.0) == pytest.approx(want)
+    with pytest.raises(ConfigError, match="unknown collective kinds"):
+        comm_ms({"broadcast": 1.0}, 8, 400.0)
+
+    def doc(stage, world=8, counted=True):
+        d = _bench(stage, {"base": (base, [30.0] * 20), "cand": (cand, [28.0] * 20)})
+        for a in d["arms"]:
+            if counted:
+                a["comm_bytes_per_step"] = {k: v * (1 + stage) for k, v in moved.items()}
+        d.update(world_size=1, simulated_world=world, _path=f"s{stage}")
+        return d
+
+    docs = [doc(s) for s in range(3)]
+    res = project(docs, n_boot=100, link_gbps=400.0)
+    b = res["arms"][0]
+    assert [r["comm_ms"] for r in b["stages"]] == pytest.approx([want, 2 * want, 3 * want, 3 * want])
+    assert b["comm_seconds"] == pytest.approx((423 * want + 424 * 2 * want + (423 + 15) * 3 * want) / 1000)
+    assert b["seconds_with_comm"] == pytest.approx(b["seconds"] + b["comm_seconds"])
+    assert res["arms"][1]["comm_seconds"] > b["comm_seconds"]  # the candidate's longer extension
+    assert "at 400 GB/s bus bandwidth and none overlapped" in render(res)
+    assert "link_gbps" in res and project(docs, n_boot=100)["link_gbps"] is None
+
+    with pytest.raises(ConfigError, match="needs files from 'bench step --as-rank-of N'"):
+        project([doc(s, world=None) for s in range(3)], link_gbps=400.0)
+    with pytest.raises(ConfigError, match="has no comm_bytes_per_step"):
+        project([doc(0), doc(1, counted=False), doc(2)], link_gbps=400.0)
+    with pytest.raises(ConfigError, match="must be a bandwidth > 0"):
+        project(docs, link_gbps=0.0)
+    paths = []
+    for d in docs:
+        p = tmp_path / f"{d['_path']}.json"
+        p.write_text(json.dumps({k: v for k, v in d.items() if k != "_path"}))
+        paths.append(str(p))
+    assert main(["bench", "project", *paths, "--as-rank-of", "8", "--n-boot", "100", "--link-gbps", "400"]) == 0
+    assert "s of communication; stage 0" in capsys.readouterr().out

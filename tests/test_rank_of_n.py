@@ -60,6 +60,20 @@ def test_simulated_collectives_return_the_real_shapes_without_communicating():
         SimulatedComms(2, rank=2)
 
 
+def test_simulated_collectives_count_the_bytes_a_real_one_moves():
+    """traffic: an all-reduce counts its tensor, a reduce-scatter its full input, an all-gather its
+    full output, an all-to-all what this rank sends; nothing counts a refused call."""
+    c = SimulatedComms(4)
+    assert c.traffic == {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "all_to_all": 0}
+    c.all_reduce_avg(torch.zeros(5, dtype=torch.bfloat16))
+    c.reduce_scatter_avg(torch.zeros(8, 3))
+    c.all_gather(torch.zeros(8, 3, dtype=torch.bfloat16), torch.zeros(2, 3, dtype=torch.bfloat16))
+    c.all_to_all(torch.empty(0), torch.zeros(6, dtype=torch.int64), [0, 0, 0, 0], [0, 2, 4, 0])
+    with pytest.raises(ValueError):
+        c.reduce_scatter_avg(torch.zeros(6, 3))
+    assert c.traffic == {"all_reduce": 10, "reduce_scatter": 96, "all_gather": 48, "all_to_all": 48}
+
+
 def test_simulated_rank_info():
     info = simulated_rank(DistInfo(), 8)
     assert (info.rank, info.world_size, info.simulated, info.enabled, info.is_main) == (0, 8, True, False, True)
@@ -255,6 +269,13 @@ def test_bench_step_as_rank_of_table_and_json(tmp_path, capsys, use_builtin_cach
     (arm,) = res["arms"]
     assert (arm["grad_accum"], arm["micro_batch_tokens"]) == (1, 256) and len(arm["times_ms"]) == 20
     assert arm["tokens_per_s"] == pytest.approx(2048 / (arm["median_ms"] / 1000))  # the whole N-rank step's
+    # what the untimed collectives would move per step: every step reduce-scatters and gathers the
+    # sharded banks; the Adam steps (every other) all-reduce the replicated tables
+    moved = arm["comm_bytes_per_step"]
+    assert set(moved) == {"all_reduce", "reduce_scatter", "all_gather", "all_to_all"}
+    assert moved["reduce_scatter"] > 0 and moved["all_gather"] > 0 and moved["all_reduce"] > 0
+    assert moved["reduce_scatter"] < 4 * 2 * arm["parameters"]  # bytes, not elements, and not inflated
+    assert "collectives per step, not timed (MB by kind): rec " in text
 
     # a world the record's split cannot use, and nonsense
     assert main(args[:4] + ["--as-rank-of", "3"] + args[6:]) == 2

@@ -253,9 +253,10 @@ def test_device_run_projects_with_upstream_as_the_baseline(tmp_path):
     assert f"--upstream pr344={tmp_path / 'out'}/upstream_steps.json:candidate" in project[0]
     calls.unlink()
     res = subprocess.run([bash, str(script), "record"], capture_output=True, text=True, cwd=tmp_path,
-                         env={**env, "OUT": str(tmp_path / "out8"), "AS_RANK_OF": "8"})
+                         env={**env, "OUT": str(tmp_path / "out8"), "AS_RANK_OF": "8", "LINK_GBPS": "450"})
     project = [line for line in calls.read_text().splitlines() if "bench project" in line]
     assert len(project) == 1 and "--upstream" not in project[0], res.stdout + res.stderr
+    assert "--link-gbps 450" in project[0]  # the simulated rank's collectives at the given bus bandwidth
 
 
 def test_gpu_clocks_summarizes_each_phase_from_busy_samples(tmp_path, capsys, monkeypatch):

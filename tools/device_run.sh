@@ -116,8 +116,10 @@ for part in $parts; do
           --config "${UP_DIR:-/tmp/up}/bench_config.json" --json "$OUT/upstream_steps.json" > /dev/null 2>&1; then
         up_args=(--upstream "${UP_NAME:-f411b3d}=$OUT/upstream_steps.json:${UP_PRESET:-record}")
       fi
+      # LINK_GBPS (a simulated rank only): also the run with its collectives at that bus bandwidth
       [ "$#" -ge 3 ] && python3 -m speedrun bench project "$@" ${up_args[@]+"${up_args[@]}"} \
-        --json "$OUT/projection${AS_RANK_OF:+_rank$AS_RANK_OF}.json" 2>&1 | tail -16
+        ${AS_RANK_OF:+${LINK_GBPS:+--link-gbps $LINK_GBPS}} \
+        --json "$OUT/projection${AS_RANK_OF:+_rank$AS_RANK_OF}.json" 2>&1 | tail -24
       # every arm / upstream per benched stage, when upstream ran on this machine (one GPU's whole
       # step, so not for a simulated rank)
       if [ -z "${AS_RANK_OF:-}" ]; then for f in "$@"; do vs_upstream "$f" 20; done; fi ;;

@@ -284,6 +284,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--arm", action="append", metavar="NAME",
                    help="project only this benched arm (repeatable; the first is the baseline unless "
                         "--upstream names one): e.g. when another arm lacks a stage's bench")
+    p.add_argument("--link-gbps", type=float, metavar="GB/S",
+                   help="with --as-rank-of files: also add the collectives the simulated rank counted, at this bus "
+                        "bandwidth (nccl-tests' busbw of the target machine), none overlapped: an upper bound")
     p.add_argument("--upstream", action="append", metavar="NAME=FILE:PRESET",
                    help="an upstream run as the first arm and baseline: FILE from 'tools/upstream_step_times.py "
                         "--json' (its stage times), PRESET the schedule it trains (f411b3d: record, PR #344: "

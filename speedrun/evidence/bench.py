@@ -81,10 +81,18 @@ class Session:
     syncs: list | None = None  # synchronising calls of one step (find_syncs), None when not scanned
     graphs: Any = None  # speedrun.train.graphs.StepGraphs with train.cuda_graphs, as train() runs
     losses: list = field(default_factory=list)  # every step's loss (device scalars, read after timing)
+    # a simulated rank's collectives: bytes per timed step by kind (SimulatedComms.traffic), else None
+    comm_bytes_per_step: dict | None = None
 
     @property
     def optimizer(self):
         return self.recipe.optimizer
+
+    def comm_traffic(self) -> dict[str, int] | None:
+        """Bytes the simulated rank's collectives would have moved so far, by kind
+        (:attr:`speedrun.optim.simcomms.SimulatedComms.traffic`); None for a real rank."""
+        traffic = getattr(getattr(getattr(self.recipe, "optimizer", None), "comms", None), "traffic", None)
+        return None if traffic is None else dict(traffic)
 
     def step(self, on_phase=None) -> torch.Tensor:
         """One optimizer step (see :func:`speedrun.train.loop.run_step`, which calls ``on_phase``);
@@ -354,6 +362,7 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
         collections.__enter__()
         if sampler is not None:
             sampler.__enter__()
+        traffic_before = [s.comm_traffic() for s in sessions]
         for rep in range(steps):
             k = rep % len(sessions)
             for s in sessions[k:] + sessions[:k]:
@@ -368,6 +377,10 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
             if progress and info.is_main and (rep + 1) % 10 == 0:
                 print(f"  {rep + 1}/{steps} repetitions", flush=True)
         times = {series_name(s.name, c, chains): _gather_max(s.times_ms[c], info) for s in sessions for c in chains}
+        for s, before in zip(sessions, traffic_before):
+            if before is not None:  # every timed step, both parities of the optimizer's update
+                timed = steps * sum(chains)
+                s.comm_bytes_per_step = {k: (v - before[k]) / timed for k, v in s.comm_traffic().items()}
         _host_side(sessions, info, host_steps, sync_scan)
     finally:
         collections.__exit__(None, None, None)
@@ -451,6 +464,8 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
                 "losses": [float(x) for x in s.losses],
                 "config": cfg.to_dict(),
             }
+            if s.comm_bytes_per_step is not None:  # what its collectives would move (--as-rank-of)
+                entry["comm_bytes_per_step"] = s.comm_bytes_per_step
             if c == chains[0]:  # the arm's host-side extras, once
                 if s.host_steps:
                     from speedrun.evidence.host import summarize_traces
@@ -541,6 +556,11 @@ def render_table(result: dict[str, Any]) -> str:
         lines.append(("micro-batches per step of the simulated rank: " if result.get("simulation")
                       else "micro-batches per step: ") + ", ".join(
             f"{a['name']} {a.get('grad_accum')} x {a.get('micro_batch_tokens')}" for a in result["arms"]))
+    moved = [a for a in result["arms"] if a.get("comm_bytes_per_step")]
+    if moved:  # a simulated rank: what its collectives would move, which its step time leaves out
+        lines.append("collectives per step, not timed (MB by kind): " + "; ".join(
+            f"{a['name']} " + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in a["comm_bytes_per_step"].items() if v)
+            for a in moved))
     if any("attention_backend" in a for a in result["arms"]):  # files of older versions lack it
         lines.append("attention backend: " + ", ".join(f"{a['name']} {a.get('attention_backend', '?')}"
                                                        for a in result["arms"]))

@@ -19,7 +19,13 @@ the bench's interleaved rounds: the ratio's interval is wider than a paired one,
 Files from ``speedrun bench step --as-rank-of N`` (rank 0 of N simulated in one process, its
 collectives replaced by no-ops) project an N-GPU run: the sum is then every rank's compute
 without the communication.  The files' world (simulated or real, and its size) is carried into
-the result and printed; files of different worlds are refused, since their steps differ.
+the result and printed; files of different worlds are refused, since their steps differ.  Given
+a bus bandwidth (``link_gbps``, GB/s as nccl-tests reports "busbw" for the machine), the bytes the
+simulated collectives would have moved per step (``comm_bytes_per_step`` in the bench file) add
+their time, ring-counted: an all-reduce moves 2(N-1)/N of its tensor per rank, a reduce-scatter
+or all-gather (N-1)/N of its full tensor, an all-to-all what the rank sends.  None of it is
+overlapped with compute there, so that total bounds the run from above where the compute-only
+sum bounds it from below.
 
 Upstream modded-nanogpt's own runs join as arms (:func:`load_upstream`): the per-stage step
 times that ``tools/upstream_step_times.py --json`` reads from its log, on the schedule of the
@@ -130,14 +136,27 @@ def describe_world(world: int, simulated: bool) -> str:
     return f"{world} process{'es' if world > 1 else ''}"
 
 
+def comm_ms(moved: dict[str, float], world: int, link_gbps: float) -> float:
+    """Milliseconds the collectives of one step take at ``link_gbps`` GB/s of bus bandwidth on
+    ``world`` ranks, from the bytes per kind a simulated rank counted (see the module docstring)."""
+    share = (world - 1) / world
+    factor = {"all_reduce": 2 * share, "reduce_scatter": share, "all_gather": share, "all_to_all": 1.0}
+    unknown = set(moved) - set(factor)
+    if unknown:
+        raise ConfigError(f"unknown collective kinds {sorted(unknown)} in comm_bytes_per_step")
+    return sum(factor[k] * float(b) for k, b in moved.items()) / (link_gbps * 1e9) * 1e3
+
+
 def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
             as_rank_of: int | None = None, upstream: list[dict[str, Any]] = (),
-            only: list[str] | None = None) -> dict[str, Any]:
+            only: list[str] | None = None, link_gbps: float | None = None) -> dict[str, Any]:
     """Projected whole-run seconds per arm from bench files of several stages (see the module doc).
 
     ``as_rank_of`` N: refuse files that are not ``--as-rank-of N`` benches.  ``only``: project
     these benched arms alone, in this order (e.g. when one arm lacks a stage's bench); every
-    name must be benched at some stage.  Returns ``{"arms":
+    name must be benched at some stage.  ``link_gbps``: add the simulated collectives' time at
+    this bus bandwidth (simulated files only): each stage row gains ``comm_ms``, each arm
+    ``comm_seconds`` and ``seconds_with_comm``.  Returns ``{"arms":
     [{"name", "seconds", "ci", "ratio", "ratio_ci", "stages": [...]}, ...], "baseline",
     "unbenched", "world_size", "simulated", "world", "separate_processes", "upstream"}``, the
     ``upstream`` arms (:func:`load_upstream`) first, then the benched ones in the order
@@ -193,6 +212,12 @@ def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
         missing = [n for n in names if n not in arms]
         if missing:
             raise ConfigError(f"stage {s}'s bench has no arm {', '.join(missing)}; every file needs the same arms")
+    if link_gbps is not None:
+        if not link_gbps > 0:
+            raise ConfigError(f"--link-gbps must be a bandwidth > 0 GB/s, got {link_gbps}")
+        if not simulated:
+            raise ConfigError("--link-gbps adds the collectives a simulated rank counted: it needs files from "
+                              "'bench step --as-rank-of N' (a real run's steps already include their communication)")
     rng = np.random.default_rng(seed)
     benched = sorted(by_stage)
     out_arms, unbenched = [], {}
@@ -220,12 +245,21 @@ def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
             med = float(np.median(times))
             rows.append({"stage": i, "steps": n_steps, "timed_as": src, "median_ms": med,
                          "seconds": n_steps * med / 1000})
+            if link_gbps is not None:
+                moved = by_stage[src][name].get("comm_bytes_per_step")
+                if moved is None:
+                    raise ConfigError(f"arm {name}: stage {src}'s bench has no comm_bytes_per_step (a file of an "
+                                      "older version, or not a simulated rank): bench it again for --link-gbps")
+                rows[-1]["comm_ms"] = comm_ms(moved, world, link_gbps)
             total += n_steps * med / 1000
             if src not in medians:
                 medians[src] = np.median(rng.choice(times, size=(n_boot, times.size), replace=True), axis=1)
             boot += n_steps * medians[src] / 1000
         draws[name] = boot
         out_arms.append({"name": name, "seconds": total, "ci": _ci(boot), "stages": rows})
+        if link_gbps is not None:
+            comm_s = sum(r["steps"] * r["comm_ms"] / 1000 for r in rows)
+            out_arms[-1].update(comm_seconds=comm_s, seconds_with_comm=total + comm_s)
     base = names[0]
     for arm in out_arms:
         arm["ratio"] = arm["seconds"] / out_arms[0]["seconds"]
@@ -233,7 +267,7 @@ def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
     return {"arms": out_arms, "baseline": base, "unbenched": unbenched, "n_boot": n_boot,
             "world_size": world, "simulated": simulated, "world": describe_world(world, simulated),
             "separate_processes": sorted(s for s, n in files_per_stage.items() if n > 1),
-            "upstream": [{"name": up["name"], "path": up["path"]} for up in upstream]}
+            "upstream": [{"name": up["name"], "path": up["path"]} for up in upstream], "link_gbps": link_gbps}
 
 
 def _ci(x: np.ndarray) -> list[float]:
@@ -263,6 +297,12 @@ def render(res: dict[str, Any]) -> str:
         lines.append(f"(stage {s}: arms benched in separate processes, not interleaved)")
     for up in res.get("upstream", []):
         lines.append(f"({up['name']}: upstream's own run, its step times read from its log: {up['path']})")
+    if res.get("link_gbps"):
+        lines += ["", f"with the collectives the simulated rank counted, at {res['link_gbps']:g} GB/s bus bandwidth "
+                      "and none overlapped with compute (an upper bound; the total above is the lower one):"]
+        for a in res["arms"]:
+            lines.append(f"- {a['name']}: {a['seconds_with_comm']:.1f} s ({a['comm_seconds']:+.1f} s of communication; "
+                         + ", ".join(f"stage {r['stage']} {r['comm_ms']:.2f} ms/step" for r in a["stages"]) + ")")
     return "\n".join(lines) + "\n"
 
 
@@ -273,7 +313,7 @@ def cli_project(args) -> int:
         upstream = [load_upstream(spec) for spec in getattr(args, "upstream", None) or []]
         res = project(load_benches(args.files), n_boot=args.n_boot, seed=args.seed,
                       as_rank_of=getattr(args, "as_rank_of", None), upstream=upstream,
-                      only=getattr(args, "arm", None))
+                      only=getattr(args, "arm", None), link_gbps=getattr(args, "link_gbps", None))
     except ConfigError as e:
         print(f"speedrun bench project: {e}", file=sys.stderr)
         return 2

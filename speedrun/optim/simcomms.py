@@ -22,7 +22,9 @@ tensor of the shape the real one returns:
 
 Left out, by design: the time of the collectives themselves, the link, and waits for slower
 ranks.  A step timed this way is one rank's compute and memory traffic, the part of an N-GPU step
-that one GPU can measure (``speedrun bench step --as-rank-of N``).
+that one GPU can measure (``speedrun bench step --as-rank-of N``).  What the collectives would
+have moved is counted instead (:attr:`SimulatedComms.traffic`), so a projection can add their time
+at a bus bandwidth it is given (:mod:`speedrun.evidence.projection`).
 """
 
 from __future__ import annotations
@@ -32,11 +34,21 @@ from torch import Tensor
 
 from speedrun.optim.normuon import _Comms, _Pending
 
-__all__ = ["SimulatedComms", "comms_for"]
+__all__ = ["SimulatedComms", "TRAFFIC_KINDS", "comms_for"]
+
+
+# Collective kinds counted in ``SimulatedComms.traffic``.
+TRAFFIC_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
 
 class SimulatedComms(_Comms):
-    """Rank ``rank`` of ``world`` ranks, alone in this process (see the module docstring)."""
+    """Rank ``rank`` of ``world`` ranks, alone in this process (see the module docstring).
+
+    ``traffic``: bytes per collective kind since construction, as NCCL's bus-bandwidth
+    accounting sizes them: an all-reduce its tensor, a reduce-scatter its full input, an
+    all-gather its full output, an all-to-all what this rank sends (the rows of the sparse
+    exchange that other ranks own; what it would receive is not known here, and a full-duplex
+    link receives while it sends)."""
 
     def __init__(self, world: int, rank: int = 0):
         if world < 1 or not 0 <= rank < world:
@@ -45,17 +57,23 @@ class SimulatedComms(_Comms):
         self.active = False
         self.nccl = False
         self.world, self.rank = int(world), int(rank)
+        self.traffic: dict[str, int] = dict.fromkeys(TRAFFIC_KINDS, 0)
+
+    def _count(self, kind: str, t: Tensor) -> None:
+        self.traffic[kind] += t.numel() * t.element_size()
 
     def _mine(self, t: Tensor) -> Tensor:
         chunk = t.size(0) // self.world
         return t[self.rank * chunk:(self.rank + 1) * chunk]
 
     def all_reduce_avg(self, t: Tensor) -> _Pending:
+        self._count("all_reduce", t)
         return _Pending(None, lambda: t)
 
     def reduce_scatter_avg(self, full: Tensor) -> _Pending:
         if full.size(0) % self.world:
             raise ValueError(f"reduce_scatter: dim 0 of {tuple(full.shape)} does not split over {self.world} ranks")
+        self._count("reduce_scatter", full)
         part = self._mine(full.contiguous())
         return _Pending(None, lambda: part)
 
@@ -64,6 +82,7 @@ class SimulatedComms(_Comms):
         if out.size(0) % self.world or tuple(shard.shape) != (chunk, *out.shape[1:]):
             raise ValueError(f"all_gather: a shard of {tuple(shard.shape)} does not fill 1/{self.world} of "
                              f"{tuple(out.shape)}")
+        self._count("all_gather", out)
         mine = self._mine(out)
         if out.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr():
             # the output is the tensor the shard was updated in: the others' parts are its values
@@ -77,6 +96,7 @@ class SimulatedComms(_Comms):
         if sum(out_splits) or out.numel():
             raise ValueError("all_to_all: a simulated rank receives nothing, but "
                              f"{sum(out_splits)} items were expected")
+        self._count("all_to_all", inp)
 
     def exchange_counts(self, send_counts: Tensor) -> Tensor:
         return torch.zeros_like(send_counts)
