@@ -1,5 +1,6 @@
 """The device scripts in tools/ at least parse (they only run on the GPU machines)."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -92,7 +93,6 @@ def test_inductor_sources_extracts_the_slowest_kernels(tmp_path):
     kernel inside ``async_compile.triton('''...''')``) and in a standalone kernel file, writes the
     slowest first, and reports a kernel it cannot find."""
     import importlib.util
-    import json
 
     spec = importlib.util.spec_from_file_location(
         "inductor_sources", Path(__file__).resolve().parents[1] / "tools" / "inductor_sources.py")
@@ -303,3 +303,26 @@ def test_device_run_profiles_each_arm_under_its_name_and_diffs_the_later_ones(tm
     assert "--device-only" in runs[0] and "--out /tmp/prof_g " in runs[1]
     diffs = [line for line in lines if "profile --diff" in line]
     assert diffs == [f"-m speedrun profile --diff /tmp/prof_e /tmp/prof_g --top 40 --json {tmp_path}/out/profile_diff_g_vs_e.json"]
+
+
+def test_comm_traffic_counts_what_the_collectives_move(tmp_path, capsys):
+    """comm_traffic.py at toy size: the even step moves only the NorMuon banks (reduce-scattered
+    and gathered whole), the odd step the Adam tables too; the mean's time follows comm_ms."""
+    import importlib.util
+
+    from speedrun.evidence.projection import comm_ms
+
+    spec = importlib.util.spec_from_file_location("comm_traffic", SCRIPTS[0].parent / "comm_traffic.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    small = ["model.num_layers=4", "model.model_dim=32", "model.num_heads=2", "model.qk_head_dim=12"]
+    out = tmp_path / "t.json"
+    args = ["--preset", "tiny-record", "--world", "4", "--gbps", "100", "--json", str(out)]
+    for s in small:
+        args += ["--set", s]
+    assert mod.main(args) == 0
+    res = json.loads(out.read_text())
+    even, odd = res["steps"]["100"], res["steps"]["101"]
+    assert even["reduce_scatter"] == even["all_gather"] > 0 and odd["reduce_scatter"] > even["reduce_scatter"]
+    assert res["ms_per_step"]["100.0"] == pytest.approx(comm_ms(res["mean"], 4, 100.0))
+    assert "at 100 GB/s bus bandwidth, none overlapped" in capsys.readouterr().out
