@@ -24,8 +24,8 @@ a bus bandwidth (``link_gbps``, GB/s as nccl-tests reports "busbw" for the machi
 simulated collectives would have moved per step (``comm_bytes_per_step`` in the bench file) add
 their time, ring-counted: an all-reduce moves 2(N-1)/N of its tensor per rank, a reduce-scatter
 or all-gather (N-1)/N of its full tensor, an all-to-all what the rank sends.  None of it is
-overlapped with compute there, so that total bounds the run from above where the compute-only
-sum bounds it from below.
+overlapped with compute there, so that total bounds the run from above (if the link reaches
+that bandwidth and no rank waits for another) where the compute-only sum bounds it from below.
 
 Upstream modded-nanogpt's own runs join as arms (:func:`load_upstream`): the per-stage step
 times that ``tools/upstream_step_times.py --json`` reads from its log, on the schedule of the
