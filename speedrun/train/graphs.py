@@ -77,10 +77,10 @@ NOISE_FACTOR = 4.0
 # A 0-d state tensor (an FP8 amax accumulator) is the maximum of one element over a whole
 # gradient or activation: the relative noise of that one element is not the relative (Frobenius)
 # noise of any tensor, and e5m2 rounding upstream turns a tiny change into a jump of that element
-# (1% seen where every tensor's eager noise was below 0.1%).  What an amax steers is a delayed
-# scale: one within 2^-4 (relative) of the eager run's moves no quantised value by more than one
-# step of e4m3, whose relative step is 2^-4 to 2^-3 (e5m2's is larger), as the eager noise
-# already does.  A capture fault on such a scalar (unwritten, zeroed, another step's value, a
+# (an amax can move by a percent where no tensor's eager noise comes near).  What an amax steers
+# is a delayed scale: one within 2^-4 (relative) of the eager run's moves no quantised value by
+# more than one step of e4m3, whose relative step is 2^-4 to 2^-3 (e5m2's is larger), as the
+# eager noise already does.  A capture fault on such a scalar (unwritten, zeroed, another step's value, a
 # stale address) is far outside.
 SCALAR_STATE_TOLERANCE = 2.0 ** -4
 
