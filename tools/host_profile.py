@@ -36,7 +36,6 @@ def profile_arm(spec: str, common: list[str], stage: int, warmup: int, steps: in
     from speedrun import distributed
     from speedrun.evidence.arms import parse_arm
     from speedrun.evidence.bench import build_session
-    from speedrun.train.graphs import STEPS_UNTIL_REPLAY, STEPS_UNTIL_UPDATE_REPLAY
 
     arm = parse_arm(spec)
     cfg = arm.config(common)
@@ -45,7 +44,7 @@ def profile_arm(spec: str, common: list[str], stage: int, warmup: int, steps: in
     cuda = info.device.type == "cuda"
     # with CUDA graphs, the profiled steps must replay (captures are not a step's host work)
     if session.graphs is not None:
-        warmup = max(warmup, STEPS_UNTIL_REPLAY if session.graphs.updates is None else STEPS_UNTIL_UPDATE_REPLAY)
+        warmup = max(warmup, session.graphs.steps_until_replay)
     try:
         for _ in range(warmup):
             session.step()

@@ -331,7 +331,7 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
         if len(values) > 1:
             raise ConfigError(f"train.{field} is process-wide: every arm of one bench must use the same value, got "
                               + ", ".join(f"{n}={getattr(cfg.train, field)}" for n, cfg, _ in configs))
-    from speedrun.train.graphs import STEPS_UNTIL_REPLAY, STEPS_UNTIL_UPDATE_REPLAY, CudaCapture
+    from speedrun.train.graphs import CudaCapture
 
     info = distributed.setup(configs[0][1].train.device)
     meter = MemoryMeter(info.device)
@@ -351,7 +351,7 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
             before = meter.allocated()
             pool_before = s.graphs.pool_bytes() if s.graphs is not None else 0
             # with CUDA graphs, enough steps that every step key of the stage is captured
-            until = 0 if s.graphs is None else STEPS_UNTIL_REPLAY if s.graphs.updates is None else STEPS_UNTIL_UPDATE_REPLAY
+            until = 0 if s.graphs is None else s.graphs.steps_until_replay
             for _ in range(max(warmup, until)):
                 s.step()
             distributed.barrier(info)

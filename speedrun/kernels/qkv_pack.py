@@ -336,30 +336,19 @@ def repack_qkv_fp8(packs: list[PackedQKV], sources: list[tuple[torch.Tensor, tor
         _pack_outputs((pk.data, pk.data_t), N, D, w_qk.device, "repack_qkv_fp8")
         dims.append((H, dqk, dv, D, N))
     dev = packs[0].data.device
-    raw = headroom_scale(torch.stack([pk.amax.float().reshape(()) for pk in packs]), headroom, fmax)
+    raw = headroom_scale(torch.stack([pk.amax for pk in packs]).float(), headroom, fmax)
     sa = torch.stack([_sa_tensor(s[2], dev) for s in sources])
     inv = torch.where(sa < 0, -1.0, 1.0) / raw
     deq = raw * sa.abs()
-    amaxes = [pk.amax for pk in packs]
-    torch._foreach_zero_(amaxes)
-    for j, (pk, (w_qk, w_v, _), d) in enumerate(zip(packs, sources, dims)):
-        _pack_into(w_qk, w_v, d, inv[j], pk.amax, pk.data, pk.data_t)
+    torch._foreach_zero_([pk.amax for pk in packs])
+    for j, (pk, (w_qk, w_v, sa_j), d) in enumerate(zip(packs, sources, dims)):
+        if triton_usable(w_qk):
+            _launch_pack(w_qk, w_v, d, inv[j], pk.amax, pk.data, pk.data_t)
+        else:  # the reference, with the same delayed scale
+            ref = pack_qkv_fp8_reference(w_qk, w_v, sa_j, num_heads=d[0], scale=raw[j], out=(pk.data, pk.data_t))
+            pk.amax.copy_(ref.amax)
     torch._foreach_copy_([pk.raw_scale for pk in packs], list(raw.unbind()))
     torch._foreach_copy_([pk.scale for pk in packs], list(deq.unbind()))
-
-
-def _pack_into(w_qk, w_v, dims, inv, amax, data, data_t) -> None:
-    """:func:`_launch_pack` (``amax`` zeroed by the caller), or on a device without Triton the
-    reference's arithmetic on the same scalars."""
-    if triton_usable(w_qk):
-        _launch_pack(w_qk, w_v, dims, inv, amax, data, data_t)
-        return
-    w = packed_weight_reference(w_qk.detach(), w_v.detach(), dims[0]).float()
-    amax.copy_(torch.maximum(amax, w.abs().amax()))
-    fmax = FP8_MAX[E4M3]
-    q = (w * inv).clamp(-fmax, fmax).to(E4M3)
-    data.copy_(q)
-    data_t.copy_(q.t())
 
 
 def pack_qkv_fp8_reference(

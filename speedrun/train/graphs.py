@@ -392,6 +392,12 @@ class StepGraphs:
         self._sightings.pop(key, None)
         return self._loss.clone()
 
+    @property
+    def steps_until_replay(self) -> int:
+        """Steps of one stage before every step of it replays: the loop's keys, and the update's
+        too where it is captured (see :data:`STEPS_UNTIL_REPLAY`)."""
+        return STEPS_UNTIL_REPLAY if self.updates is None else STEPS_UNTIL_UPDATE_REPLAY
+
     def summary(self) -> dict:
         """Counts for the run log: steps replayed and eager, captures, their time and checks (the
         optimizer's update graphs counted apart: ``update_*``, absent when it runs eagerly)."""
