@@ -177,6 +177,9 @@ def test_host_profile_script_profiles_a_simulated_rank(tmp_path, capsys):
     assert mod.main(args) == 0
     text = (tmp_path / "host_profile_r.txt").read_text()
     assert "rank 0 of 2 simulated" in text and "run_step" in text and "simcomms.py" in text  # its no-op collectives ran
+    capsys.readouterr()
+    assert mod.main(args[:-len(small) * 2 - 2] + ["--as-rank-of", "3"] + args[-len(small) * 2:]) == 2
+    assert "host_profile: " in capsys.readouterr().err  # a world the record's split cannot use
 
 
 def test_device_run_packs_more_than_eight_outputs(tmp_path):
@@ -326,3 +329,7 @@ def test_comm_traffic_counts_what_the_collectives_move(tmp_path, capsys):
     assert even["reduce_scatter"] == even["all_gather"] > 0 and odd["reduce_scatter"] > even["reduce_scatter"]
     assert res["ms_per_step"]["100.0"] == pytest.approx(comm_ms(res["mean"], 4, 100.0))
     assert "at 100 GB/s bus bandwidth, none overlapped" in capsys.readouterr().out
+    assert mod.main(["--preset", "no-such-preset"]) == 2
+    assert capsys.readouterr().err.startswith("comm_traffic: ")
+    assert mod.main(["--preset", "tiny-record", "--world", "0"]) == 2
+    assert "ranks >= 1" in capsys.readouterr().err

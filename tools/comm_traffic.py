@@ -63,7 +63,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from speedrun.evidence.projection import comm_ms
 
-    res = step_traffic(args.preset, args.world, args.overrides)
+    from speedrun.errors import SpeedrunError
+
+    try:
+        res = step_traffic(args.preset, args.world, args.overrides)
+    except (SpeedrunError, KeyError, ValueError) as e:  # an unknown preset or field, a bad world
+        print(f"comm_traffic: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
     mb = lambda d: ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in d.items())  # noqa: E731
     for step, moved in res["steps"].items():
         print(f"{args.preset}, rank 0 of {args.world}, step {step}: {mb(moved)}")

@@ -89,12 +89,17 @@ def main(argv=None) -> int:
                    help="one rank's share of an N-GPU step, collectives as no-ops (as 'bench step --as-rank-of')")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
     args = p.parse_args(argv)
+    from speedrun.errors import SpeedrunError
     from speedrun.evidence.arms import data_overrides, parse_arm
 
     common = data_overrides(args.data) + list(args.overrides)
     args.out.mkdir(parents=True, exist_ok=True)
     for spec in args.arm:
-        text = profile_arm(spec, common, args.stage, args.warmup, args.steps, args.top, args.as_rank_of)
+        try:
+            text = profile_arm(spec, common, args.stage, args.warmup, args.steps, args.top, args.as_rank_of)
+        except SpeedrunError as e:  # a bad arm, override, stage or simulated world
+            print(f"host_profile: {e}", file=sys.stderr)
+            return 2
         path = args.out / f"host_profile_{parse_arm(spec).name}.txt"
         path.write_text(text)
         print(text[:6000], flush=True)
