@@ -381,3 +381,30 @@ def test_self_check_names_a_mismatch(tmp_path, kernels_use_references):
                 session.step()
     finally:
         session.close()
+
+
+def test_a_session_warms_up_until_its_steps_replay(tmp_path, kernels_use_references):
+    """Session.warmup_steps (bench, profile, host_profile): without graphs the steps asked for;
+    with graphs at least enough that the next steps replay, step graph and update graph alike
+    (a profile whose warmup stopped short recorded captures and self-checks: twice the kernels)."""
+    from speedrun.train.graphs import RerunCapture, StepGraphs
+
+    session = _session(tmp_path, RECORD)
+    try:
+        assert session.warmup_steps(2) == 2 and session.warmup_steps(0) == 0
+        session.graphs = StepGraphs(session.run_model, session.recipe, session.info.device, session.dtype,
+                                    capture_with=RerunCapture)
+        n = session.warmup_steps(2)
+        assert n == max(2, session.graphs.steps_until_replay) > 2
+        assert session.warmup_steps(n + 3) == n + 3
+        for _ in range(n):
+            session.step()
+        before = session.graphs.summary()
+        for _ in range(2):
+            session.step()
+        after = session.graphs.summary()
+    finally:
+        session.close()
+    assert after["replayed_steps"] - before["replayed_steps"] == 2, (before, after)
+    assert after["replayed_updates"] - before["replayed_updates"] == 2, (before, after)
+    assert after["captures"] == before["captures"] and after["update_captures"] == before["update_captures"]

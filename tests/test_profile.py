@@ -486,6 +486,12 @@ def test_profile_diff_per_step_by_kernel_and_timeline(tmp_path, capsys):
     c = _written_profile(tmp_path / "h200", "g", "NVIDIA H200", 1, graph, device_only=False)
     res = diff_profiles(load_profile(a), load_profile(c))
     assert any("different devices" in w for w in res["warnings"]) and any("device activity only" in w for w in res["warnings"])
+    # a profile that ran the heavy kernels twice per step (a capture among its steps) is flagged
+    twice = [k for t0 in (0.0, 30.0) for k in (("void gemm<1>(int)", t0, t0 + 12), ("void gemm<2>(int)", t0 + 12, t0 + 24))]
+    d = _written_profile(tmp_path / "twice", "g", h100, 1, twice)
+    res = diff_profiles(load_profile(a), load_profile(d))
+    assert [w for w in res["warnings"] if "different work per step" in w and "`gemm`" in w], res["warnings"]
+    assert "different work per step" in render_diff(res)
     (tmp_path / "bad.json").write_text(json.dumps({"kernels": [{"kernel": "x"}], "steps": 1}))
     (tmp_path / "notjson.json").write_text("{")
     for bad, needle in ((tmp_path / "missing", "no such profile"), (tmp_path / "bad.json", "lacks kernel/calls/time_us"),

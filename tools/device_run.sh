@@ -125,7 +125,8 @@ for part in $parts; do
       if [ -z "${AS_RANK_OF:-}" ]; then for f in "$@"; do vs_upstream "$f" 20; done; fi ;;
     profile)
       # PROFILE_ARMS: arms NAME=PRESET[:overrides] or presets; PROFILE_STAGE: the stage index whose
-      # shapes are profiled (default 2); PROFILE_DEVICE_ONLY=1: GPU activity alone (the timeline's
+      # shapes are profiled (default 2); PROFILE_WARMUP: untimed steps first (default 2; with CUDA graphs
+      # `speedrun profile` adds what capture needs, so the profiled steps replay); PROFILE_DEVICE_ONLY=1: GPU activity alone (the timeline's
       # idle gaps near an unprofiled step's, no op rows) instead of ops with shapes and Python
       # stacks.  With two or more arms, every later arm is diffed against the first, kernel by
       # kernel (e.g. PROFILE_ARMS="e=record:train.cuda_graphs=off g=record" PROFILE_DEVICE_ONLY=1).
@@ -135,7 +136,7 @@ for part in $parts; do
         log "profile $arm at stage index ${PROFILE_STAGE:-2} (2: stage-3 shapes), ${PROFILE_STEPS:-2} steps"
         pflags="--stacks"; [ "${PROFILE_DEVICE_ONLY:-0}" = 1 ] && pflags="--device-only --no-measure"
         timeout "$(left 300)" python3 -m speedrun profile --arm "$arm" --stage "${PROFILE_STAGE:-2}" \
-          --steps "${PROFILE_STEPS:-2}" --warmup 2 $pflags \
+          --steps "${PROFILE_STEPS:-2}" --warmup "${PROFILE_WARMUP:-2}" $pflags \
           --set train.max_docs=256 --data "$SPEEDRUN_TEST_DATA/webmix_train_*.bin" --out "/tmp/prof_$name" --top 25 2>&1 | tail -45
         cp "/tmp/prof_$name/profile.md" "$OUT/profile_${name}_stage${PROFILE_STAGE:-2}.md" 2>/dev/null
         cp "/tmp/prof_$name/profile.json" "$OUT/profile_${name}_stage${PROFILE_STAGE:-2}.json" 2>/dev/null

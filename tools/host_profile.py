@@ -42,9 +42,7 @@ def profile_arm(spec: str, common: list[str], stage: int, warmup: int, steps: in
     info = distributed.setup(cfg.train.device)
     session = build_session(arm.name, cfg, stage, info, simulate_world=as_rank_of)
     cuda = info.device.type == "cuda"
-    # with CUDA graphs, the profiled steps must replay (captures are not a step's host work)
-    if session.graphs is not None:
-        warmup = max(warmup, session.graphs.steps_until_replay)
+    warmup = session.warmup_steps(warmup)  # with CUDA graphs, the profiled steps replay
     try:
         for _ in range(warmup):
             session.step()

@@ -107,6 +107,12 @@ class Session:
         self.losses.append(loss.detach())
         return loss
 
+    def warmup_steps(self, requested: int) -> int:
+        """How many untimed steps precede the measured ones: ``requested``, or more with CUDA
+        graphs, so that every step key of the stage is captured and the measured steps replay
+        (a capture's eager runs and self-check are no step's cost)."""
+        return requested if self.graphs is None else max(requested, self.graphs.steps_until_replay)
+
     def close(self) -> None:
         self.loader.close()
 
@@ -350,9 +356,7 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
         for s in sessions:
             before = meter.allocated()
             pool_before = s.graphs.pool_bytes() if s.graphs is not None else 0
-            # with CUDA graphs, enough steps that every step key of the stage is captured
-            until = 0 if s.graphs is None else s.graphs.steps_until_replay
-            for _ in range(max(warmup, until)):
+            for _ in range(s.warmup_steps(warmup)):
                 s.step()
             distributed.barrier(info)
             s.resident_bytes += meter.allocated() - before  # optimizer state, FP8 caches, grads kept

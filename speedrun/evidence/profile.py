@@ -603,7 +603,7 @@ def _ncu_child(spec_json: str) -> int:
     info = distributed.setup(arm.config(spec["common"]).train.device)
     session = build_session(arm.name, arm.config(spec["common"]), spec["stage"], info)
     try:
-        for _ in range(spec["warmup"]):
+        for _ in range(session.warmup_steps(spec["warmup"])):
             session.step()
         torch.cuda.synchronize()
         torch.cuda.profiler.start()
@@ -698,7 +698,10 @@ def profile_steps(arm, *, common: Sequence[str] = (), stage: int = 0, steps: int
     notes = []
     frozen = 0
     try:
-        for _ in range(warmup):
+        if session.warmup_steps(warmup) > warmup:
+            notes.append(f"warmup raised from {warmup} to {session.warmup_steps(warmup)} steps so that the "
+                         "profiled steps replay their CUDA graphs (no capture or self-check among them)")
+        for _ in range(session.warmup_steps(warmup)):
             session.step()
         # as in `bench step`: a full collection inside a profiled step would show as idle GPU time
         frozen = freeze_long_lived() if cfg.train.gc_freeze else 0

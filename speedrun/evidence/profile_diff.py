@@ -27,6 +27,10 @@ from speedrun.evidence.profile import kernel_key
 __all__ = ["load_profile", "diff_profiles", "render_diff"]
 
 
+HEAVIEST_CHECKED = 5  # the base's heaviest kernels whose calls per step must match
+CALLS_TOLERANCE = 0.1  # relative difference in calls per step beyond which they do not
+
+
 def load_profile(path: str | Path) -> dict[str, Any]:
     """A ``speedrun profile`` JSON (the file, or the ``--out`` folder holding ``profile.json``)."""
     p = Path(path)
@@ -85,6 +89,17 @@ def diff_profiles(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]
         warnings.append("one profile recorded device activity only and the other ops too: the profiler's own "
                         "host work differs, so their idle time does not compare")
     kb, ko = _per_step_kernels(base), _per_step_kernels(other)
+    # The same step's heaviest kernels run equally often on both sides; where they do not, the
+    # profiles recorded different work (a CUDA-graph capture and its self-check among the profiled
+    # steps runs every kernel twice, or the arms' shapes differ) and their times do not compare.
+    heaviest = sorted((k for k in kb if k in ko), key=lambda k: -kb[k][1])[:HEAVIEST_CHECKED]
+    for k in heaviest:
+        bc, oc = kb[k][0], ko[k][0]
+        if abs(oc - bc) > CALLS_TOLERANCE * max(bc, oc):
+            warnings.append(f"`{k}`, among the base's heaviest kernels, ran {bc:g} times per step there and "
+                            f"{oc:g} in the other: the profiles recorded different work per step (a CUDA-graph "
+                            "capture among the profiled steps, or other shapes), so their times do not compare")
+            break
     rows = []
     for k in sorted(set(kb) | set(ko)):
         bc, bu = kb.get(k, (0.0, 0.0))
