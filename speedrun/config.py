@@ -270,6 +270,8 @@ class TrainConfig:
     # document crossing a batch edge loses its context there, so the loss depends on this).
     # 0: the largest unmerged training micro-batch.  Divided by ``batch_divisor`` like the stages.
     val_batch_tokens: int = 0
+    # A train line every this many steps, read a step late so that logging never stops the GPU
+    # (speedrun.train.steplog); the record logs every step, as upstream does.
     log_every: int = 10
     checkpoint_every: int = 0  # every this many steps; 0: by time and stage only (and at the end)
     # Also checkpoint when this many seconds of wall clock have passed since the last checkpoint

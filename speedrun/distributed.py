@@ -8,7 +8,8 @@ runs as one plain process on a laptop.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,13 +21,16 @@ from speedrun.errors import ConfigError
 class DistInfo:
     """This process's place among the ranks.  ``simulated``: one process stands in for rank
     ``rank`` of ``world_size`` (``speedrun bench step --as-rank-of``, see :func:`simulated_rank`):
-    no process group exists, so ``enabled`` is False and every collective here is a no-op."""
+    no process group exists, so ``enabled`` is False and every collective here is a no-op.
+    ``host_group``: the group for host values beside an NCCL one (gloo over the same ranks; None
+    where the default group is gloo already, or there is none): see :func:`any_rank`."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     simulated: bool = False
+    host_group: Any = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -59,10 +63,15 @@ def setup(device_name: str = "auto") -> DistInfo:
     device = pick_device(device_name, local)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
-    return DistInfo(rank=rank, world_size=world, local_rank=local, device=device)
+    host_group = None
+    if world > 1:
+        if not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        if dist.get_backend() == "nccl":
+            # collective: every rank sets up at the same point of its run
+            host_group = dist.new_group(backend="gloo")
+    return DistInfo(rank=rank, world_size=world, local_rank=local, device=device, host_group=host_group)
 
 
 def simulated_rank(info: DistInfo, world_size: int, rank: int = 0) -> DistInfo:
@@ -92,6 +101,17 @@ def all_reduce_mean_(tensors: list[torch.Tensor], info: DistInfo) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.AVG if t.device.type == "cuda" else dist.ReduceOp.SUM)
         if t.device.type != "cuda":
             t.div_(info.world_size)
+
+
+def any_rank(flags: Sequence[bool], info: DistInfo) -> list[bool]:
+    """Each of ``flags`` OR-ed over the ranks (as given on one process).  Host values over the host
+    group, so the call waits for the other ranks' hosts, never for a device stream: the training
+    loop asks it between steps without synchronising with the GPU work it has queued."""
+    if not info.enabled:
+        return [bool(f) for f in flags]
+    t = torch.tensor([float(bool(f)) for f in flags])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=info.host_group)
+    return [bool(v) for v in t.tolist()]
 
 
 def barrier(info: DistInfo) -> None:

@@ -479,17 +479,17 @@ def test_checkpoint_policy_by_steps_wall_clock_stages_and_signals():
     cfg.train.checkpoint_every, cfg.train.checkpoint_every_s = 5, 600.0
     now = [0.0]
     guard = RunGuard(cfg, [0, 4, 8], SimpleNamespace(enabled=False), Path("run"), clock=lambda: now[0])
-    assert [d for d in range(1, 11) if guard.checkpoint_due(d, synced=False)] == [4, 5, 8, 10]
+    assert [d for d in range(1, 11) if guard.checkpoint_due(d, agree=False)] == [4, 5, 8, 10]
     now[0] = 599.0
-    assert not guard.checkpoint_due(1, synced=False)
+    assert not guard.checkpoint_due(1, agree=False)
     now[0] = 600.0  # ten minutes since the last checkpoint (here: since the guard began)
-    assert guard.checkpoint_due(1, synced=False)
+    assert guard.checkpoint_due(1, agree=False)
     guard.checkpoint_written(Path("run/checkpoints/step_000001.pt"), 1)
-    assert not guard.checkpoint_due(2, synced=False) and not guard.stop
+    assert not guard.checkpoint_due(2, agree=False) and not guard.stop
     guard._on_signal(signal.SIGTERM, None)
-    assert guard.checkpoint_due(2, synced=False) and guard.stop and guard.signal_name == "SIGTERM"
+    assert guard.checkpoint_due(2, agree=False) and guard.stop and guard.signal_name == "SIGTERM"
     with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C does not wait
         guard._on_signal(signal.SIGINT, None)
     cfg.train.checkpoint_every, cfg.train.checkpoint_every_s, cfg.train.checkpoint_stages = 0, 0.0, False
     quiet = RunGuard(cfg, [0, 4, 8], SimpleNamespace(enabled=False), Path("run"), clock=lambda: 1e9)
-    assert not any(quiet.checkpoint_due(d, synced=True) for d in range(1, 11))
+    assert not any(quiet.checkpoint_due(d, agree=True) for d in range(1, 11))

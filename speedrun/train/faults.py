@@ -7,8 +7,9 @@ reads a device value itself, so it adds no synchronisation to a step.
 
 - SIGINT and SIGTERM set a flag (a second SIGINT interrupts at once); the loop then writes a
   checkpoint outside the timed region and stops, and ``speedrun train --resume`` continues
-  bit-exactly.  Under torchrun the ranks agree on the flag at steps where the loop synchronises
-  anyway (every ``train.log_every`` steps), so all of them stop at the same step.
+  bit-exactly.  Under torchrun the ranks agree on the flag every ``train.log_every`` steps, over
+  the host group (:func:`speedrun.distributed.any_rank`: no device synchronisation), so all of
+  them stop at the same step.
 - Checkpoints: every ``train.checkpoint_every`` steps, when ``train.checkpoint_every_s`` seconds of
   wall clock have passed since the last one, at each stage boundary (``train.checkpoint_stages``)
   and at the end.
@@ -31,8 +32,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import torch
-
+from speedrun import distributed
 from speedrun.errors import ConfigError, SpeedrunError
 
 # Exit statuses of a run stopped by a signal (128 + the signal number, as a shell reports them).
@@ -94,19 +94,15 @@ class RunGuard:
 
     # -- policy ------------------------------------------------------------------------------
 
-    def checkpoint_due(self, done: int, synced: bool) -> bool:
+    def checkpoint_due(self, done: int, agree: bool) -> bool:
         """Whether to checkpoint after ``done`` steps.  Step-count and stage rules always apply;
         time and signals on one process every step (host values only), under torchrun only where
-        ``synced`` (the loop synchronises there anyway), agreed over the ranks."""
+        ``agree`` (the loop's logging steps): there the ranks agree on them over the host group."""
         due = (self.every > 0 and done % self.every == 0) or done in self.stage_starts
-        if self.info.enabled and not synced:
+        if self.info.enabled and not agree:
             return due
         timed = self.every_s > 0 and self.clock() - self.last_checkpoint_time >= self.every_s
-        wants = [self.signal_name is not None, timed]
-        if self.info.enabled:
-            flags = torch.tensor([float(w) for w in wants], device=self.info.device)
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-            wants = [bool(v) for v in flags.tolist()]
+        wants = distributed.any_rank([self.signal_name is not None, timed], self.info)
         if wants[0]:
             self.stop = True
             if self.signal_name is None:
@@ -125,11 +121,7 @@ class RunGuard:
         """Raise :class:`TrainingDiverged` when ``value`` (already on the host) is NaN or infinite;
         under torchrun on every rank when it is so on any (one rank alone stopping would leave the
         others waiting in the next collective)."""
-        bad = not math.isfinite(value)
-        if self.info.enabled:
-            flag = torch.tensor([float(bad)], device=self.info.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            bad = bool(flag.item())
+        (bad,) = distributed.any_rank([not math.isfinite(value)], self.info)
         if not bad:
             return
         if self.last_checkpoint is not None:

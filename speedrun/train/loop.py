@@ -5,7 +5,8 @@ continues one from its newest checkpoint) on one process or under torchrun: it b
 (:func:`speedrun.train.builder.build_run`), then :func:`warm_up_and_reset`, :func:`resume_from`
 (when resuming) and :func:`timed_loop`, each step one :func:`run_step`.  The clock covers
 data loading, forward, backward, communication and the optimizer step; it stops (after a device
-synchronize) around validation, checkpointing and logging that needs host values.
+synchronize) around validation and checkpointing.  Logged losses and step times are read a step
+late, without a synchronisation (:mod:`speedrun.train.steplog`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from speedrun.train.checkpoint import load_latest, load_rank_state, save_checkpo
 from speedrun.train.collector import freeze_long_lived, thaw
 from speedrun.train.graphs import StepGraphs, graphs_enabled
 from speedrun.train.runlog import RunLog, environment_lines, new_run_dir, step_line, val_line
+from speedrun.train.steplog import StepLog
 
 
 @dataclass
@@ -445,17 +447,20 @@ def save_run_checkpoint(run: Run, run_dir: Path, step: int, progress: Progress) 
 class Clock:
     """The timed region's host clock.  ``start()`` restarts it after a device sync; ``pause()``
     is a context that stops it (synchronised on both sides) for work that is not training, such
-    as capturing a CUDA graph and checking it.  ``window_start``: when the current logging window
-    began, moved by pauses like ``t0``."""
+    as capturing a CUDA graph and checking it.  ``generation`` changes at every start and at the
+    end of every pause: step ends of one generation lie in one uninterrupted window
+    (:class:`speedrun.train.steplog.StepLog`)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.t0 = self.window_start = 0.0
+        self.t0 = 0.0
         self.paused_s = 0.0
+        self.generation = 0
 
     def start(self) -> None:
         _sync(self.device)
-        self.t0 = self.window_start = time.perf_counter()
+        self.t0 = time.perf_counter()
+        self.generation += 1
 
     @contextlib.contextmanager
     def pause(self):
@@ -467,8 +472,8 @@ class Clock:
             _sync(self.device)
             held = time.perf_counter() - began
             self.t0 += held
-            self.window_start += held
             self.paused_s += held
+            self.generation += 1
 
 
 def timed_loop(run: Run, run_dir: Path, log: RunLog, progress: Progress, stop_after: int | None,
@@ -506,7 +511,10 @@ def timed_loop(run: Run, run_dir: Path, log: RunLog, progress: Progress, stop_af
                             check=cfg.train.cuda_graph_check, capture_updates=cfg.train.cuda_graph_optimizer)
     clock.start()
     recipe.on_clock_start()
+    steplog = StepLog(device, clock)
+    steplog.start_window()
     window_steps = 0
+    last_line_ms = progress.train_ms  # training time at the last logged line (for its tokens/s)
     loss_acc = torch.zeros((), device=device)
     step_ms: dict[int, list[float]] = {i: [] for i in range(len(stages))}
     try:  # the heap is thawed (and the signal handlers restored) however the loop ends
@@ -523,40 +531,49 @@ def timed_loop(run: Run, run_dir: Path, log: RunLog, progress: Progress, stop_af
             is_last = done == total_steps
             want_log = done % cfg.train.log_every == 0 or is_last
             want_val = is_last or (cfg.train.val_every > 0 and done % cfg.train.val_every == 0)
-            want_ckpt = is_last or guard.checkpoint_due(done, synced=want_log or want_val) or done == stop_after
-            if want_log or want_val or want_ckpt:
-                _sync(device)
-                now = time.perf_counter()
-                progress.train_ms += (now - clock.t0) * 1000
-                step_avg = progress.train_ms / done
-                if window_steps == 1:  # one step since the clock last started: its own time
-                    step_ms[si].append((now - clock.t0) * 1000)
-                if want_log:
-                    mean_loss = loss_acc.item() / window_steps
-                    guard.check_loss(mean_loss, done)
-                    tok_s = window_steps * stages[si].batch_tokens / max(now - clock.window_start, 1e-9)
-                    eta = (total_steps - done) * step_avg / 1000
-                    log.print(step_line(done, total_steps, progress.train_ms, step_avg), console=False)
-                    log.metric(event="train", step=done, loss=mean_loss, train_time_ms=progress.train_ms,
-                               tokens_per_s=tok_s)
-                    if log.console:
-                        print(f"step {done}/{total_steps}  loss {mean_loss:.4f}  {tok_s:,.0f} tok/s  "
-                              f"step_avg {step_avg:.1f}ms  eta {_fmt_eta(eta)}", flush=True)
-                    loss_acc.zero_()
-                    window_steps = 0
-                elif want_val or want_ckpt:  # no validation or checkpoint of a diverged state (synchronized here)
-                    guard.check_loss(loss_acc.item() / window_steps, done)
-                if want_val:
-                    last_val = validate(done)
-                    guard.check_loss(last_val, done, "validation loss")
-                if want_ckpt:
-                    guard.checkpoint_written(save_run_checkpoint(run, run_dir, done, progress), done)
-                if (done == stop_after or guard.stop) and not is_last:
-                    stopped = True
-                    if guard.stop:
-                        log.print(guard.stop_message(done))
-                    break
-                clock.start()
+            want_ckpt = is_last or guard.checkpoint_due(done, agree=want_log or want_val) or done == stop_after
+            if want_log:
+                steplog.record(done, si, loss_acc / window_steps, window_steps)
+                loss_acc.zero_()
+                window_steps = 0
+            else:
+                steplog.record(done, si)
+            # Read what the device has finished: at a stop (validation, checkpoint) everything;
+            # else all but this step, which keeps the GPU busy while the host reads and logs.
+            stop_here = want_val or want_ckpt
+            for fin in steplog.finished(keep=0 if stop_here else 1):
+                if fin.step_ms is not None:
+                    step_ms[fin.stage].append(fin.step_ms)
+                if fin.loss is None:
+                    continue
+                guard.check_loss(fin.loss, fin.step)
+                line_ms = progress.train_ms + (time.perf_counter() - clock.t0) * 1000
+                tok_s = fin.steps_logged * stages[fin.stage].batch_tokens / max(line_ms - last_line_ms, 1e-6) * 1000
+                last_line_ms = line_ms
+                log.print(step_line(fin.step, total_steps, line_ms, line_ms / fin.step), console=False)
+                log.metric(event="train", step=fin.step, loss=fin.loss, train_time_ms=line_ms, tokens_per_s=tok_s)
+                if log.console:
+                    eta = (total_steps - fin.step) * line_ms / fin.step / 1000
+                    print(f"step {fin.step}/{total_steps}  loss {fin.loss:.4f}  {tok_s:,.0f} tok/s  "
+                          f"step_avg {line_ms / fin.step:.1f}ms  eta {_fmt_eta(eta)}", flush=True)
+            if not stop_here:
+                continue
+            _sync(device)
+            progress.train_ms += (time.perf_counter() - clock.t0) * 1000
+            if window_steps:  # no validation or checkpoint of a diverged state (synchronized here)
+                guard.check_loss(loss_acc.item() / window_steps, done)
+            if want_val:
+                last_val = validate(done)
+                guard.check_loss(last_val, done, "validation loss")
+            if want_ckpt:
+                guard.checkpoint_written(save_run_checkpoint(run, run_dir, done, progress), done)
+            if (done == stop_after or guard.stop) and not is_last:
+                stopped = True
+                if guard.stop:
+                    log.print(guard.stop_message(done))
+                break
+            clock.start()
+            steplog.start_window()
     finally:
         guard.restore()
         if frozen:
@@ -590,9 +607,9 @@ def _finish(run: Run, run_dir: Path, log: RunLog, last_val: float, train_ms: flo
 
 
 def stage_time_lines(step_ms: dict[int, list[float]], stages, cfg: RunConfig, skip: int = 2) -> list[str]:
-    """One line per stage: median and IQR of the single-step times (ms, host clock around a
-    synchronized step, so only steps timed alone count: ``log_every=1`` times every step) and
-    global tokens/s at the median.  The first ``skip`` steps of a stage (loader reshaping, first
+    """One line per stage: median and IQR of the step times (ms: each step's end to the next one's
+    on the device, :class:`speedrun.train.steplog.StepLog`; steps that held a pause, such as a
+    CUDA-graph capture, left out) and global tokens/s at the median.  The first ``skip`` steps of a stage (loader reshaping, first
     use of a shape after the warmup) are left out when the stage has enough others."""
     import numpy as np
 
