@@ -607,10 +607,11 @@ def _finish(run: Run, run_dir: Path, log: RunLog, last_val: float, train_ms: flo
 
 
 def stage_time_lines(step_ms: dict[int, list[float]], stages, cfg: RunConfig, skip: int = 2) -> list[str]:
-    """One line per stage: median and IQR of the step times (ms: each step's end to the next one's
-    on the device, :class:`speedrun.train.steplog.StepLog`; steps that held a pause, such as a
-    CUDA-graph capture, left out) and global tokens/s at the median.  The first ``skip`` steps of a stage (loader reshaping, first
-    use of a shape after the warmup) are left out when the stage has enough others."""
+    """One line per stage: median and IQR of the step times (ms: from the previous step's end to
+    this one's on the device, :class:`speedrun.train.steplog.StepLog`; steps that held a pause,
+    such as a CUDA-graph capture, left out) and global tokens/s at the median.  The first ``skip``
+    steps of a stage (loader reshaping, first use of a shape after the warmup) are left out when
+    the stage has enough others."""
     import numpy as np
 
     lines = []
