@@ -493,3 +493,33 @@ def test_checkpoint_policy_by_steps_wall_clock_stages_and_signals():
     cfg.train.checkpoint_every, cfg.train.checkpoint_every_s, cfg.train.checkpoint_stages = 0, 0.0, False
     quiet = RunGuard(cfg, [0, 4, 8], SimpleNamespace(enabled=False), Path("run"), clock=lambda: 1e9)
     assert not any(quiet.checkpoint_due(d, agree=True) for d in range(1, 11))
+
+
+def test_host_flags_travel_over_a_gloo_group_beside_nccl(monkeypatch):
+    """Under NCCL, setup() makes a gloo group for host values and any_rank() reduces over it (a CPU
+    tensor: no device stream is touched, so the loop's per-step checks never synchronise); under
+    gloo the default group serves; on one process nothing is reduced."""
+    import torch.distributed as dist
+
+    from speedrun import distributed
+
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "new_group", lambda **kw: calls.append(("new_group", kw)) or "gloo-group")
+
+    def all_reduce(t, op=None, group=None):
+        calls.append(("all_reduce", t.device.type, group))
+        t.copy_(torch.tensor([1.0, 0.0]))  # another rank saw the first flag
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    for backend, group in (("nccl", "gloo-group"), ("gloo", None)):
+        calls.clear()
+        monkeypatch.setattr(dist, "get_backend", lambda b=backend: b)
+        info = distributed.setup("cpu")
+        assert info.enabled and info.host_group == group
+        assert calls == ([("new_group", {"backend": "gloo"})] if backend == "nccl" else [])
+        assert distributed.any_rank([False, False], info) == [True, False]
+        assert calls[-1] == ("all_reduce", "cpu", group)
+    assert distributed.any_rank([True, False], distributed.DistInfo()) == [True, False]
