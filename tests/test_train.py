@@ -218,3 +218,26 @@ def test_record_recipe_trains_with_merged_micro_batches(tmp_path):
     log = (result.run_dir / "log.txt").read_text()
     assert "micro-batches per step by stage (train.min_micro_batch_tokens=1024): 2 x 1024" in log
     assert result.final_val_loss == result.final_val_loss and result.final_val_loss < 6.0
+
+
+def test_logging_every_step_does_not_synchronise_every_step(tmp_path, monkeypatch):
+    """The timed loop synchronises only where it stops the clock (validation, checkpoints, the
+    end), not where it logs: with a line every step, twice the steps cost no more syncs (the loop
+    before 8447b72 made one per step); every step still gets its line, in order."""
+    import speedrun.train.loop as loop
+
+    counts = {}
+
+    def counted(steps):
+        syncs = []
+        monkeypatch.setattr(loop, "_sync", lambda device: syncs.append(device))
+        cfg = small_cfg(tmp_path / str(steps), steps=steps, log_every=1, val_every=0, checkpoint_every=0,
+                        checkpoint_every_s=0.0, sample_tokens=0)
+        result = train(cfg, console=False)
+        lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in lines if m.get("event") == "train"] == list(range(1, steps + 1))
+        counts[steps] = len(syncs)
+
+    counted(10)
+    counted(20)
+    assert counts[10] == counts[20], counts
