@@ -222,8 +222,8 @@ def test_record_recipe_trains_with_merged_micro_batches(tmp_path):
 
 def test_logging_every_step_does_not_synchronise_every_step(tmp_path, monkeypatch):
     """The timed loop synchronises only where it stops the clock (validation, checkpoints, the
-    end), not where it logs: with a line every step, twice the steps cost no more syncs (the loop
-    before 8447b72 made one per step); every step still gets its line, in order."""
+    end), not where it logs: with a line every step, twice the steps cost no more syncs; every
+    step still gets its line, in order."""
     import speedrun.train.loop as loop
 
     counts = {}
