@@ -103,73 +103,128 @@ def graphs_enabled(setting: str, device: torch.device) -> bool:
 # What a graph bakes in
 
 
-# Values a walk for tensors never enters; exact types, checked before any call (the walk runs
-# every step, and most attributes of a module are such values).
+# Values a walk for tensors never enters (exact types: the common ones, looked up first).
 _LEAF_TYPES = frozenset({str, bytes, int, float, bool, type(None), torch.device, torch.dtype})
+
+# How the walk treats a value, by its type (see _kind).
+_SKIP, _TENSOR, _DICT, _SEQUENCE, _MODULE, _OBJECT = range(6)
+
+
+def _kind(tp: type) -> int:
+    if tp in _LEAF_TYPES or issubclass(tp, (str, bytes, int, float, bool, torch.device, torch.dtype)):
+        return _SKIP
+    if issubclass(tp, torch.Tensor):
+        return _TENSOR
+    if issubclass(tp, dict):
+        return _DICT
+    if issubclass(tp, (list, tuple)):
+        return _SEQUENCE
+    if issubclass(tp, torch.nn.Module):
+        return _MODULE
+    return _OBJECT if tp.__module__.startswith("speedrun.") else _SKIP
+
+
+def _module_attribute_skipped(name: str) -> bool:
+    """A module's compiled forms and hook tables hold no state of its own."""
+    return name.startswith("_compiled") or name.endswith("_hooks")
 
 
 def reachable_tensors(roots: Sequence[tuple[str, Any]], *, paths: bool = False,
                       skip_parameters: bool = False) -> list[tuple[str, torch.Tensor]]:
     """Every tensor reachable from ``roots`` (name, object) through attributes of nn.Modules and
-    of objects defined in this package, dicts, lists and tuples, in a fixed order.  Tensors are
-    not entered (their ``.grad`` is not included).  ``paths``: name each one (slower; for
-    messages), else the names are "".  ``skip_parameters``: leave out the modules' parameters and
-    registered buffers.  Runs on the host every step (the step and update keys), so values that
-    hold no tensor are skipped by their exact type before any call."""
+    of objects defined in this package, dicts, lists and tuples, in a fixed order (depth first, in
+    attribute order), each object entered once.  Tensors are not entered (their ``.grad`` is not
+    included).  ``paths``: name each one (for messages), else the names are "" and the walk is
+    :func:`_tensors_of` (the one the step and update keys make every step).  ``skip_parameters``:
+    leave out the modules' parameters and registered buffers."""
+    if not paths:
+        return [("", t) for t in _tensors_of(roots, skip_parameters)]
     out: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
-    leaves, tensor_type, module_type = _LEAF_TYPES, torch.Tensor, torch.nn.Module
-
-    def visit_all(items, path: str, label) -> None:
-        for k, v in items:
-            if type(v) in leaves:
-                continue
-            if isinstance(v, tensor_type):
-                out.append((f"{path}{label(k)}" if paths else "", v))
-            else:
-                visit(v, f"{path}{label(k)}" if paths else "")
 
     def visit(obj: Any, path: str) -> None:
-        if isinstance(obj, tensor_type):
+        kind = _kind(type(obj))
+        if kind == _TENSOR:
             out.append((path, obj))
             return
-        if obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.device, torch.dtype)):
-            return
-        if id(obj) in seen:
+        if kind == _SKIP or id(obj) in seen:
             return
         seen.add(id(obj))
-        if isinstance(obj, dict):
-            visit_all(obj.items(), path, lambda k: f"[{k!r}]")
-        elif isinstance(obj, (list, tuple)):
-            visit_all(enumerate(obj), path, lambda i: f"[{i}]")
-        elif isinstance(obj, module_type):
+        if kind == _DICT:
+            for k, v in obj.items():
+                visit(v, f"{path}[{k!r}]")
+        elif kind == _SEQUENCE:
+            for i, v in enumerate(obj):
+                visit(v, f"{path}[{i}]")
+        elif kind == _MODULE:
             for name, v in vars(obj).items():
                 if name in ("_parameters", "_buffers"):
                     if not skip_parameters:
-                        for n, t in v.items():
-                            if t is not None:
-                                out.append((f"{path}.{n}" if paths else "", t))
+                        out.extend((f"{path}.{n}", t) for n, t in v.items() if t is not None)
                 elif name == "_modules":
                     for n, m in v.items():
-                        visit(m, f"{path}.{n}" if paths else "")
-                elif type(v) in leaves or name.startswith("_compiled") or name.endswith("_hooks"):
-                    continue
-                elif isinstance(v, tensor_type):
-                    out.append((f"{path}.{name}" if paths else "", v))
-                else:
-                    visit(v, f"{path}.{name}" if paths else "")
-        elif type(obj).__module__.startswith("speedrun."):
-            attrs = getattr(obj, "__dict__", None)
-            if attrs is not None:
-                visit_all(attrs.items(), path, lambda k: f".{k}")
+                        visit(m, f"{path}.{n}")
+                elif not _module_attribute_skipped(name):
+                    visit(v, f"{path}.{name}")
+        else:
+            for name, v in (getattr(obj, "__dict__", None) or {}).items():
+                visit(v, f"{path}.{name}")
 
     for name, root in roots:
         visit(root, name)
     return out
 
 
-def _address_fingerprint(tensors: list[tuple[str, torch.Tensor]]) -> tuple[int, ...]:
-    return tuple(t.data_ptr() for _, t in tensors)
+def _tensors_of(roots: Sequence[tuple[str, Any]], skip_parameters: bool = False) -> list[torch.Tensor]:
+    """:func:`reachable_tensors` without names: the same tensors in the same order.  Runs on the
+    host every step, so each value's kind is looked up by its type in a table built as the walk
+    meets types, inline, and a call is made only for the objects it enters."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    kinds: dict[type, int] = {}
+    append = out.append
+
+    def visit_values(values) -> None:
+        for v in values:
+            tp = type(v)
+            kind = kinds.get(tp)
+            if kind is None:
+                kind = kinds[tp] = _kind(tp)
+            if kind == _TENSOR:
+                append(v)
+            elif kind != _SKIP:
+                enter(v, kind)
+
+    def enter(obj: Any, kind: int) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if kind == _DICT:
+            visit_values(obj.values())
+        elif kind == _SEQUENCE:
+            visit_values(obj)
+        elif kind == _MODULE:
+            for name, v in vars(obj).items():
+                if name == "_parameters" or name == "_buffers":
+                    if not skip_parameters:
+                        out.extend(t for t in v.values() if t is not None)
+                elif name == "_modules":
+                    visit_values(v.values())
+                elif not _module_attribute_skipped(name):
+                    visit_values((v,))
+        else:
+            attrs = getattr(obj, "__dict__", None)
+            if attrs:
+                visit_values(attrs.values())
+
+    visit_values([root for _, root in roots])
+    return out
+
+
+def address_fingerprint(roots: Sequence[tuple[str, Any]]) -> tuple[int, ...]:
+    """The addresses of every tensor :func:`reachable_tensors` finds from ``roots``, in its order:
+    what a captured graph baked in, compared every step."""
+    return tuple(t.data_ptr() for t in _tensors_of(roots))
 
 
 @dataclass(frozen=True)
@@ -198,7 +253,7 @@ def step_key(model, batches: Sequence, args: ForwardArgs, scale: float) -> StepK
         shapes=shape, count=len(batches), scale=float(scale), windows=(args.window_short, args.window_long),
         mtp_count=len(args.mtp_weights), prefix=not _is_zero(args.prefix_weight),
         present=frozenset(n for n, p in model.named_parameters() if p.grad is not None), signature=signature,
-        fingerprint=_address_fingerprint(reachable_tensors(_roots(model))),
+        fingerprint=address_fingerprint(_roots(model)),
     )
 
 

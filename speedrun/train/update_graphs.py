@@ -40,10 +40,9 @@ import torch
 from speedrun.train.graphs import (
     CAPTURE_ON_SIGHT,
     GraphStats,
-    _address_fingerprint,
     _relative_error,
+    address_fingerprint,
     compare_replay,
-    reachable_tensors,
 )
 
 __all__ = ["UpdateGraphs", "update_capturable"]
@@ -129,7 +128,7 @@ class UpdateGraphs:
     def _key(self, plan) -> tuple | None:
         if plan.untie:
             return None
-        fingerprint = _address_fingerprint(reachable_tensors([("optimizer", self.optimizer)]))
+        fingerprint = address_fingerprint([("optimizer", self.optimizer)])
         return plan.structure, tuple(g.data_ptr() for g in self._reads(plan)), fingerprint
 
     # -- capture -----------------------------------------------------------------------------------
