@@ -103,15 +103,15 @@ def graphs_enabled(setting: str, device: torch.device) -> bool:
 # What a graph bakes in
 
 
-# Values a walk for tensors never enters (exact types: the common ones, looked up first).
-_LEAF_TYPES = frozenset({str, bytes, int, float, bool, type(None), torch.device, torch.dtype})
+# Values a walk for tensors never enters.
+_LEAF_TYPES = (str, bytes, int, float, bool, type(None), torch.device, torch.dtype)
 
 # How the walk treats a value, by its type (see _kind).
 _SKIP, _TENSOR, _DICT, _SEQUENCE, _MODULE, _OBJECT = range(6)
 
 
 def _kind(tp: type) -> int:
-    if tp in _LEAF_TYPES or issubclass(tp, (str, bytes, int, float, bool, torch.device, torch.dtype)):
+    if issubclass(tp, _LEAF_TYPES):
         return _SKIP
     if issubclass(tp, torch.Tensor):
         return _TENSOR
