@@ -408,3 +408,56 @@ def test_a_session_warms_up_until_its_steps_replay(tmp_path, kernels_use_referen
     assert after["replayed_steps"] - before["replayed_steps"] == 2, (before, after)
     assert after["replayed_updates"] - before["replayed_updates"] == 2, (before, after)
     assert after["captures"] == before["captures"] and after["update_captures"] == before["update_captures"]
+
+
+def test_every_step_runs_once_on_the_clock(tmp_path, kernels_use_references, monkeypatch):
+    """A capture's own work (eager runs, the capture, its check) happens with the clock paused,
+    and it leaves the model as it found it; the step itself then runs on the clock like any
+    replayed one.  So each step's micro-batch loop and each optimizer update run exactly once
+    outside a pause, whether eager, captured or replayed (a timed region that skipped the
+    captured steps would flatter the run's time)."""
+    import contextlib
+
+    from speedrun.train import graphs as graphs_module
+    from speedrun.train.graphs import RerunCapture, StepGraphs
+
+    paused = []
+    timed = {"loop": 0, "update": 0}
+
+    @contextlib.contextmanager
+    def pause():
+        paused.append(True)
+        try:
+            yield
+        finally:
+            paused.pop()
+
+    real_accumulate = graphs_module.microbatch.accumulate
+
+    def accumulate(*a, **k):
+        if not paused:
+            timed["loop"] += 1
+        return real_accumulate(*a, **k)
+
+    monkeypatch.setattr(graphs_module.microbatch, "accumulate", accumulate)
+    session = _session(tmp_path, RECORD)
+    opt = session.recipe.optimizer
+    real_launch = opt.launch_kernels
+
+    def launch_kernels(plan):
+        if not paused:
+            timed["update"] += 1
+        return real_launch(plan)
+
+    monkeypatch.setattr(opt, "launch_kernels", launch_kernels)
+    session.graphs = StepGraphs(session.run_model, session.recipe, session.info.device, session.dtype,
+                                capture_with=RerunCapture, pause=pause)
+    steps = STEPS_UNTIL_UPDATE_REPLAY + 3
+    try:
+        for _ in range(steps):
+            session.step()
+    finally:
+        session.close()
+    summary = session.graphs.summary()
+    assert summary["captures"] >= 2 and summary["update_captures"] >= 2, summary
+    assert timed == {"loop": steps, "update": steps}, (timed, summary)

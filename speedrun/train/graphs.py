@@ -29,8 +29,10 @@ micro-batch changes (gradients, accumulators, FP8 amax sums: the tensors reachab
 model, and the model's host-side bookkeeping), (2) the snapshot is put back, (3) the loop is
 captured, (4) replayed, and (5) with ``train.cuda_graph_check`` the replay's loss and changed
 tensors are compared with the eager run's (:class:`GraphMismatchError` names the key and the
-first tensor outside the tolerance).  After that the key is only replayed.  Capture and check run
-inside ``pause()`` (the training loop stops its clock there).
+first tensor outside the tolerance), and (6) the snapshot goes back once more.  Capture and
+check run inside ``pause()`` (the training loop stops its clock there); the step itself is then
+replayed outside it, on the clock, like every later step of the key: the timed region runs every
+step once, and no step's work hides in a pause.
 
 Gradients: every parameter that receives one gets one buffer for the whole run, allocated outside
 the graphs' memory pool.  A graph whose key had no gradient for a parameter at the step's start
@@ -445,6 +447,8 @@ class StepGraphs:
             step = self._capture(key, batches, args, scale)
             self.stats.capture_s += time.perf_counter() - t0
         self._sightings.pop(key, None)
+        # the capture left the model as it found it: the step itself runs on the clock
+        self._run_captured(step, batches, args)
         return self._loss.clone()
 
     @property
@@ -533,12 +537,15 @@ class StepGraphs:
     # -- replay --------------------------------------------------------------------------------
 
     def _replay(self, step: CapturedStep, batches: list, args: ForwardArgs) -> torch.Tensor:
-        self._static_inputs(batches)
-        self._graph_args(args)
-        self._replay_captured(step)
+        self._run_captured(step, batches, args)
         step.replays += 1
         self.stats.replayed_steps += 1
         return self._loss.clone()
+
+    def _run_captured(self, step: CapturedStep, batches: list, args: ForwardArgs) -> None:
+        self._static_inputs(batches)
+        self._graph_args(args)
+        self._replay_captured(step)
 
     def _replay_captured(self, step: CapturedStep) -> None:
         for p, buf in step.carried:
@@ -589,7 +596,6 @@ class StepGraphs:
 
         # (2) put the snapshot back, gradients into their run-long buffers
         self._restore(state, before, host, grads_before)
-        del before
         grads, carried, fresh = [], [], []
         for _, p in received:
             buf = self._grad_buffers.get(id(p))
@@ -603,7 +609,6 @@ class StepGraphs:
                 carried.append((p, buf))
             p.grad = buf
             grads.append((p, buf))
-        del grads_before
         cap.synchronize()
 
         # (3) capture, (4) replay
@@ -626,7 +631,11 @@ class StepGraphs:
                                         scalar_state_from=1 + len(received))
             self.stats.check_worst = max(self.stats.check_worst, step.check["worst_rel_err"])
             self.stats.check_noise = max(self.stats.check_noise, step.check["worst_eager_noise"])
-        del eager, state
+        # (6) undo the replay: the caller runs the step, timed, like any replayed one (the work of
+        # capturing is not training; the step is)
+        self._restore(state, before, host, grads_before)
+        cap.synchronize()
+        del eager, state, before, grads_before
         cap.reset_peak()  # the snapshots above are not the run's memory
         self._steps[key] = step
         self.stats.captures += 1

@@ -22,7 +22,8 @@ Capture and self-check mirror the step graphs': the eager update runs twice from
 everything it writes (weights, optimizer state, the gradients it modifies), to measure its own
 run-to-run difference; the snapshot goes back, the update is captured and replayed, and the
 replay must match the eager update within the same tolerance
-(:func:`speedrun.train.graphs.compare_replay`).
+(:func:`speedrun.train.graphs.compare_replay`); then the snapshot goes back again and the update
+itself is replayed on the clock, after the pause.
 
 Only an optimizer whose collectives are all local (one rank) is captured: on several ranks the
 sparse bigram exchange sizes its messages on the host, which a graph cannot do.
@@ -108,6 +109,7 @@ class UpdateGraphs:
                 captured = self._capture(key, plan)
                 self.stats.capture_s += time.perf_counter() - t0
             self._sightings.pop(key, None)
+            captured.graph.replay()  # the capture undid its own replay: the update itself, on the clock
         else:
             captured.graph.replay()
             captured.replays += 1
@@ -208,6 +210,8 @@ class UpdateGraphs:
             captured.check = compare_replay(what, [n for n, _ in compared], [t for _, t in compared], eager, noise)
             self.stats.check_worst = max(self.stats.check_worst, captured.check["worst_rel_err"])
             self.stats.check_noise = max(self.stats.check_noise, captured.check["worst_eager_noise"])
+        restore()  # the caller replays the update on the clock
+        cap.synchronize()
         del before, eager
         cap.reset_peak()
         self._updates[key] = captured
