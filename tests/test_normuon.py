@@ -329,6 +329,11 @@ def test_counts_travel_by_a_cpu_group(monkeypatch):
     comms.nccl = False
     comms.exchange_counts(torch.tensor([0, 3]))
     assert made == [(None, "gloo")] and used[-1] is None  # the group itself
+    # given the world's host group (DistInfo.host_group), it makes none of its own
+    given = _Comms(host_group="world-gloo")
+    given.world, given.nccl = 2, True
+    given.exchange_counts(torch.tensor([0, 3]))
+    assert made == [(None, "gloo")] and used[-1] == "world-gloo"
 
 
 def test_schedule_object_drives_the_step():

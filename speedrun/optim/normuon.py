@@ -337,13 +337,17 @@ def _finish(gather: tuple[_Pending | None, Callable[[], None] | None]) -> None:
 
 
 class _Comms:
-    def __init__(self, group: Any = None):
+    """``group``: the ranks' process group (None: the world's).  ``host_group``: a gloo group over
+    the same ranks for host tensors, where the caller has one (``DistInfo.host_group`` for the
+    world); else :meth:`_cpu_group` makes one."""
+
+    def __init__(self, group: Any = None, host_group: Any = None):
         self.group = group
         self.active = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if self.active else 1
         self.rank = dist.get_rank(group) if self.active else 0
         self.nccl = self.active and dist.get_backend(group) == "nccl"
-        self._cpu = None  # the gloo group beside an NCCL one (see _cpu_group)
+        self._cpu = host_group  # the gloo group beside an NCCL one (see _cpu_group)
 
     def all_reduce_avg(self, t: Tensor) -> _Pending:
         if self.nccl:
@@ -450,6 +454,8 @@ class NorMuonAndAdam:
         (V, D); embed's gradient is folded into lm_head's and embed gets lm_head^T until
         :meth:`untie`.
     group: process group (default: the world when torch.distributed is initialised).
+    host_group: a gloo group over ``group``'s ranks for the sparse exchange's host-side counts
+        beside NCCL (``DistInfo.host_group``); None: one is made at the first exchange.
     comms: the communicator itself instead of ``group``'s (e.g.
         :class:`speedrun.optim.simcomms.SimulatedComms`: one rank of N, collectives as no-ops).
     use_triton: Triton kernels for Polar Express and the Adam update (None: on CUDA; True on CPU
@@ -475,6 +481,7 @@ class NorMuonAndAdam:
         schedule: Any = None,
         tied: tuple[str, str] | None = None,
         group: Any = None,
+        host_group: Any = None,
         use_triton: bool | None = None,
         compile_backend: str | None = None,
         comms: _Comms | None = None,
@@ -490,7 +497,7 @@ class NorMuonAndAdam:
         self.schedule = schedule
         self.use_triton = use_triton
         self.compile_backend = compile_backend
-        self.comms = comms if comms is not None else _Comms(group)
+        self.comms = comms if comms is not None else _Comms(group, host_group)
         self.order = [s.label for s in table if s.label in params]
         wo = list(work_order) if work_order is not None else list(self.order)
         self.work_order = [lab for lab in wo if lab in params] + [lab for lab in self.order if lab not in wo]

@@ -447,8 +447,9 @@ class StepGraphs:
             step = self._capture(key, batches, args, scale)
             self.stats.capture_s += time.perf_counter() - t0
         self._sightings.pop(key, None)
-        # the capture left the model as it found it: the step itself runs on the clock
-        self._run_captured(step, batches, args)
+        # the capture left the model as it found it (its inputs and step values still in place):
+        # the step itself runs on the clock
+        self._replay_captured(step)
         return self._loss.clone()
 
     @property
@@ -537,15 +538,12 @@ class StepGraphs:
     # -- replay --------------------------------------------------------------------------------
 
     def _replay(self, step: CapturedStep, batches: list, args: ForwardArgs) -> torch.Tensor:
-        self._run_captured(step, batches, args)
-        step.replays += 1
-        self.stats.replayed_steps += 1
-        return self._loss.clone()
-
-    def _run_captured(self, step: CapturedStep, batches: list, args: ForwardArgs) -> None:
         self._static_inputs(batches)
         self._graph_args(args)
         self._replay_captured(step)
+        step.replays += 1
+        self.stats.replayed_steps += 1
+        return self._loss.clone()
 
     def _replay_captured(self, step: CapturedStep) -> None:
         for p, buf in step.carried:

@@ -173,6 +173,7 @@ class RecordRecipe:
                                         schedule=self.schedule, tied=("lm_head", "embed"),
                                         use_triton=kernels[t.optimizer_kernels],
                                         compile_backend="inductor" if t.optimizer_compile else None,
+                                        host_group=getattr(info, "host_group", None),
                                         comms=comms_for(info))  # a simulated rank's no-op collectives
         adam = {id(e.param) for e in self.optimizer.entries.values() if e.spec.optim == "adam"}
         self._embeddings_adam_only = all(id(p) in adam for p in model.embedding_grad_params().values())
