@@ -461,3 +461,29 @@ def test_every_step_runs_once_on_the_clock(tmp_path, kernels_use_references, mon
     summary = session.graphs.summary()
     assert summary["captures"] >= 2 and summary["update_captures"] >= 2, summary
     assert timed == {"loop": steps, "update": steps}, (timed, summary)
+
+
+def test_a_replayed_step_reports_its_key_inputs_and_replay_phases(tmp_path, kernels_use_references):
+    """The host phase tracer (``bench step --host-steps``) sees a replayed step's micro-batch work
+    as the step key, the input copies and the replay (where a replay's host time goes), a step
+    run eagerly or captured as one "forward", and the update and FP8 refresh apart."""
+    from speedrun.train.graphs import RerunCapture, StepGraphs
+    from speedrun.train.loop import GRAPH_PHASES, STEP_PHASES
+
+    session = _session(tmp_path, RECORD)
+    session.graphs = StepGraphs(session.run_model, session.recipe, session.info.device, session.dtype,
+                                capture_with=RerunCapture)
+    seen = []
+    try:
+        for _ in range(STEPS_UNTIL_UPDATE_REPLAY + 1):
+            names = []
+            session.step(on_phase=names.append)
+            seen.append(names)
+    finally:
+        session.close()
+    for names in seen:
+        assert set(names) <= {"start", *STEP_PHASES, *GRAPH_PHASES}, names
+        assert names.index("optimizer") < names.index("fp8_refresh") < names.index("fp8_step_end")
+    first, last = seen[0], seen[-1]
+    assert "forward" in first and not set(GRAPH_PHASES) & set(first)  # eager
+    assert [n for n in last if n in GRAPH_PHASES or n == "forward"] == list(GRAPH_PHASES)  # replayed

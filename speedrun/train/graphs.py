@@ -91,6 +91,10 @@ class GraphMismatchError(SpeedrunError, RuntimeError):
     """A captured step's replay does not compute what the eager step computes."""
 
 
+def _no_mark(_: str) -> None:
+    pass
+
+
 def graphs_enabled(setting: str, device: torch.device) -> bool:
     """Whether ``train.cuda_graphs`` turns graphs on for ``device``."""
     if setting not in CUDA_GRAPHS_CHOICES:
@@ -428,20 +432,28 @@ class StepGraphs:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def run(self, batches: list, args: ForwardArgs, scale: float) -> torch.Tensor:
+    def run(self, batches: list, args: ForwardArgs, scale: float,
+            mark: Callable[[str], None] | None = None) -> torch.Tensor:
         """The loop over ``batches`` (already on the device): replayed, captured or eager.
-        Returns the scaled losses' sum (0-d fp32, a fresh tensor)."""
+        Returns the scaled losses' sum (0-d fp32, a fresh tensor).  ``mark``: the host phase
+        tracer (:func:`speedrun.train.loop.run_step`'s ``on_phase``), called with "graph_key",
+        "graph_inputs" and "graph_replay" as a replayed step issues each, or with "forward" once
+        when the step is captured or runs eagerly."""
+        mark = mark or _no_mark
         key = self._key(batches, args, scale)
         step = self._steps.get(key)
         if step is not None:
-            return self._replay(step, batches, args)
+            mark("graph_key")
+            return self._replay(step, batches, args, mark)
         if len(self._sightings) >= 256:  # keys that never came back (e.g. the first step of each stage)
             self._sightings.clear()
         seen = self._sightings[key] = self._sightings.get(key, 0) + 1
         if seen < CAPTURE_ON_SIGHT:
             self._note_missed(key)
             self.stats.eager_steps += 1
-            return microbatch.accumulate(self.model, batches, args, scale, self.device, self.dtype)
+            total = microbatch.accumulate(self.model, batches, args, scale, self.device, self.dtype)
+            mark("forward")
+            return total
         with self.pause():
             t0 = time.perf_counter()
             step = self._capture(key, batches, args, scale)
@@ -450,7 +462,9 @@ class StepGraphs:
         # the capture left the model as it found it (its inputs and step values still in place):
         # the step itself runs on the clock
         self._replay_captured(step)
-        return self._loss.clone()
+        total = self._loss.clone()
+        mark("forward")
+        return total
 
     @property
     def steps_until_replay(self) -> int:
@@ -537,13 +551,17 @@ class StepGraphs:
 
     # -- replay --------------------------------------------------------------------------------
 
-    def _replay(self, step: CapturedStep, batches: list, args: ForwardArgs) -> torch.Tensor:
+    def _replay(self, step: CapturedStep, batches: list, args: ForwardArgs,
+                mark: Callable[[str], None]) -> torch.Tensor:
         self._static_inputs(batches)
         self._graph_args(args)
+        mark("graph_inputs")
         self._replay_captured(step)
         step.replays += 1
         self.stats.replayed_steps += 1
-        return self._loss.clone()
+        total = self._loss.clone()
+        mark("graph_replay")
+        return total
 
     def _replay_captured(self, step: CapturedStep) -> None:
         for p, buf in step.carried:

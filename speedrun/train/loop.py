@@ -69,7 +69,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-STEP_PHASES = ("setup", "data", "forward", "backward", "after_backward", "grad_reduce", "optimizer", "fp8_step_end")
+STEP_PHASES = ("setup", "data", "forward", "backward", "after_backward", "grad_reduce", "optimizer", "fp8_refresh",
+               "fp8_step_end")
+# A replayed step's micro-batch phases instead of forward/backward/after_backward (see StepGraphs.run)
+GRAPH_PHASES = ("graph_key", "graph_inputs", "graph_replay")
 
 
 def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
@@ -78,8 +81,9 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
 
     Returns this rank's mean training loss as a device scalar (reading it would synchronize).
     ``on_phase``: called with ``"start"`` first, then with each phase of :data:`STEP_PHASES` as
-    the host finishes issuing it (the micro-batch phases once per micro-batch, or once per step
-    when ``graphs`` replays them); see :class:`speedrun.evidence.host.PhaseRecorder`.
+    the host finishes issuing it (the micro-batch phases once per micro-batch; when ``graphs``
+    runs the loop, :data:`GRAPH_PHASES` once per step instead, or "forward" alone for a step it
+    captures or runs eagerly); see :class:`speedrun.evidence.host.PhaseRecorder`.
     ``graphs``: a :class:`speedrun.train.graphs.StepGraphs` that captures and replays the
     micro-batch loop (None: the eager loop)."""
     from speedrun.kernels import opaque
@@ -102,17 +106,14 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
     else:
         batches = list(fetched)
         mark("data")
-        total = graphs.run(batches, args, unit / accum)
-        for phase in ("forward", "backward", "after_backward"):
-            mark(phase)
+        total = graphs.run(batches, args, unit / accum, mark)
     model.flush_weight_grads()  # the MLP bank's, summed in place (model.mlp_weight_grad)
     if recipe.embedding_grads_due(step):  # accumulated in place (model.embedding_grad)
         model.flush_embedding_grads()
     if not recipe.grads_reduced_by_optimizer:
         distributed.all_reduce_mean_([p.grad for p in model.parameters() if p.grad is not None], info)
     mark("grad_reduce")
-    recipe.optimizer_step(step)
-    mark("optimizer")
+    recipe.optimizer_step(step, mark)  # marks "optimizer", then "fp8_refresh"
     model.end_step()  # next step's FP8 activation scales, the same on every rank
     mark("fp8_step_end")
     return total if unit == 1 else total / unit

@@ -13,7 +13,9 @@ Interface used by the loop: ``stages``, ``stage_index(step)``, ``forward_args(st
 ``eval_args(step, final)``, ``before_step(step)``, ``note_batch(batch)`` (host work on each
 micro-batch as it is fetched, before its forward; never device work, and nothing that reads the
 device: it runs outside the step's CUDA graph, once per micro-batch, eager or replayed),
-``optimizer_step(step)``, ``use_update_graphs(graphs)`` (launch the updates through CUDA graphs:
+``optimizer_step(step, mark=None)`` (``mark``: the loop's host phase tracer, called with
+"optimizer" once the update is issued and "fp8_refresh" once the FP8 weight copies are),
+``use_update_graphs(graphs)`` (launch the updates through CUDA graphs:
 :mod:`speedrun.train.update_graphs`), ``on_clock_start()``, ``sync_to(step)`` (after a reset or resume),
 ``embedding_grads_due(step)`` (whether the optimizer step reads the embedding tables' in-place
 accumulated gradients, so the loop flushes them first), ``grads_reduced_by_optimizer``,
@@ -100,8 +102,10 @@ class CoreRecipe:
     def note_batch(self, batch) -> None:
         pass
 
-    def optimizer_step(self, step: int) -> None:
+    def optimizer_step(self, step: int, mark=None) -> None:
         self.optimizer.step(step)
+        if mark is not None:
+            mark("optimizer")
 
     def use_update_graphs(self, graphs) -> None:
         raise ConfigError("the trapezoid schedule's AdamW update is not captured in CUDA graphs")
@@ -230,13 +234,16 @@ class RecordRecipe:
         if getattr(batch, "bigram_host", None) is not None:
             self.optimizer.mark_rows("bigram_embed", batch.bigram_host)
 
-    def optimizer_step(self, step: int) -> None:
+    def optimizer_step(self, step: int, mark=None) -> None:
+        mark = mark or (lambda _: None)
         plan = self.optimizer.prepare(step)
         if self.update_graphs is not None:
             self.update_graphs.launch(plan)
         else:
             self.optimizer.launch(plan)
+        mark("optimizer")
         self._refresh_fp8()
+        mark("fp8_refresh")
 
     def use_update_graphs(self, graphs) -> None:
         """Launch every optimizer update through ``graphs``
