@@ -238,12 +238,14 @@ def test_step_values_ring():
 MERGED = ("train.grad_accum=4", "train.min_micro_batch_tokens=64")
 
 
+@pytest.mark.parametrize("ends_step", [True, False], ids=["step-end-captured", "step-end-eager"])
 @pytest.mark.parametrize("switches", [RECORD, CANDIDATE, CANDIDATE + MERGED], ids=["record", "candidate", "merged"])
-def test_graph_bookkeeping_takes_the_eager_steps(tmp_path, kernels_use_references, switches):
+def test_graph_bookkeeping_takes_the_eager_steps(tmp_path, kernels_use_references, switches, ends_step):
     """StepGraphs with its capture stood in by re-running the loop (RerunCapture): keys, sightings,
     the self-check's snapshot and restore, gradient buffers (zeroed for a parameter without a
     gradient at the step's start, carried for the record's waiting Adam gradients) and the host
-    state set after each "replay" give bit for bit the weights of the eager loop."""
+    state set after each "replay" give bit for bit the weights and losses of the eager loop, with
+    the FP8 step end inside the captured loop (one rank) or after it (several)."""
     from speedrun.train.graphs import RerunCapture, StepGraphs
 
     weights, summaries = [], []
@@ -256,7 +258,7 @@ def test_graph_bookkeeping_takes_the_eager_steps(tmp_path, kernels_use_reference
             assert (mb.count, mb.merge) == (2, 2), mb
         if graphs:
             session.graphs = StepGraphs(session.run_model, session.recipe, session.info.device, session.dtype,
-                                        capture_with=RerunCapture)
+                                        capture_with=RerunCapture, ends_step=ends_step)
         try:
             losses = [float(session.step()) for _ in range(9)]
         finally:
@@ -483,7 +485,7 @@ def test_a_replayed_step_reports_its_key_inputs_and_replay_phases(tmp_path, kern
         session.close()
     for names in seen:
         assert set(names) <= {"start", *STEP_PHASES, *GRAPH_PHASES}, names
-        assert names.index("optimizer") < names.index("fp8_refresh") < names.index("fp8_step_end")
+        assert names.index("fp8_step_end") < names.index("optimizer") < names.index("fp8_refresh")
     first, last = seen[0], seen[-1]
     assert "forward" in first and not set(GRAPH_PHASES) & set(first)  # eager
     assert [n for n in last if n in GRAPH_PHASES or n == "forward"] == list(GRAPH_PHASES)  # replayed

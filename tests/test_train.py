@@ -153,7 +153,7 @@ def _one_step_grads(cfg):
     torch.manual_seed(0)
     model = build_model(cfg.model)
     recipe = build_recipe(cfg, model, info, tokenizer)
-    recipe.optimizer_step = lambda step: None
+    recipe.optimizer_step = lambda step, mark=None: None
     plan = micro_batching(recipe.stages[0], cfg, 1)
     with TrainLoader(train_files, plan.chunk, recipe.stages[0].max_seq_len, bos_id=cfg.data.bos_id,
                      prefetch=False, merge=plan.merge) as loader:

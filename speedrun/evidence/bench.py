@@ -146,7 +146,8 @@ def build_session(name: str, cfg: RunConfig, stage_index: int, info, simulate_wo
     graphs = None
     if graphs_enabled(cfg.train.cuda_graphs, info.device):
         graphs = StepGraphs(run.run_model, run.recipe, info.device, run.dtype, check=cfg.train.cuda_graph_check,
-                            capture_updates=cfg.train.cuda_graph_optimizer, capturer=capturer)
+                            capture_updates=cfg.train.cuda_graph_optimizer, capturer=capturer,
+                            ends_step=info.world_size == 1)
     return Session(name, cfg, stage, run.stage_end(stage_index), run.model, run.run_model, run.recipe, loader,
                    info, run.dtype, graphs=graphs)
 

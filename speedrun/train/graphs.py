@@ -8,8 +8,10 @@ is captured once per *step key* into a ``torch.cuda.CUDAGraph`` and replayed: on
 What stays eager, between replays: the loader and the recipe's host work on each micro-batch
 (``note_batch``: the rows of the sparse bigram exchange), the copy of each micro-batch into the
 graph's static buffers, the step's loss weights written into a device buffer, and everything
-after the loop (gradient flushes and reduction, the optimizer's host half, the FP8 weight refresh
-and step end).  The optimizer's kernels are replayed too, by :mod:`speedrun.train.update_graphs`, which
+after the loop (gradient flushes and reduction, the optimizer's host half, the FP8 weight
+refresh).  On one rank the loop's graph also closes the step's FP8 activation scales
+(``model.end_step()``: next step's scales from this step's amaxes) and divides the loss for the
+log; on several ranks the step end all-reduces the amaxes, so it stays eager there.  The optimizer's kernels are replayed too, by :mod:`speedrun.train.update_graphs`, which
 shares this module's capture stream, memory pool, counters and self-check.
 
 The step key is everything that decides which kernels the loop launches and where they read and
@@ -240,6 +242,7 @@ class StepKey:
     shapes: tuple  # per field: (shape, dtype) of the micro-batch tensors, and max_seqlen
     count: int  # micro-batches per step
     scale: float  # each micro-batch's loss factor
+    divisor: float  # the summed loss is divided by it for the log
     windows: tuple
     mtp_count: int
     prefix: bool
@@ -248,7 +251,7 @@ class StepKey:
     fingerprint: tuple
 
 
-def step_key(model, batches: Sequence, args: ForwardArgs, scale: float) -> StepKey:
+def step_key(model, batches: Sequence, args: ForwardArgs, scale: float, divisor: float = 1.0) -> StepKey:
     """The :class:`StepKey` of a step about to run ``batches`` with ``args``: the model as it is
     now (gradients held, FP8 readiness, addresses)."""
     shape = _batch_shape(batches[0])
@@ -256,7 +259,8 @@ def step_key(model, batches: Sequence, args: ForwardArgs, scale: float) -> StepK
         raise ValueError("step_key: the micro-batches of one step must share their shapes")
     signature = model.graph_signature()
     return StepKey(
-        shapes=shape, count=len(batches), scale=float(scale), windows=(args.window_short, args.window_long),
+        shapes=shape, count=len(batches), scale=float(scale), divisor=float(divisor),
+        windows=(args.window_short, args.window_long),
         mtp_count=len(args.mtp_weights), prefix=not _is_zero(args.prefix_weight),
         present=frozenset(n for n, p in model.named_parameters() if p.grad is not None), signature=signature,
         fingerprint=address_fingerprint(_roots(model)),
@@ -397,12 +401,14 @@ class StepGraphs:
     inside (the training loop stops its clock there).  check: compare each graph's first replay
     with the eager loop.  capturer: a :class:`CudaCapture` (stream and memory pool) shared with
     other runs of this process whose steps never run concurrently with these (the arms of one
-    bench): their pool then holds the largest step's working set instead of each run's own."""
+    bench): their pool then holds the largest step's working set instead of each run's own.
+    ends_step: the loop also runs ``model.end_step()`` (captured with it); only where the step end
+    issues no collective (one rank: the run's ``world_size`` is 1), since collectives stay eager."""
 
     def __init__(self, model, recipe, device: torch.device, dtype: torch.dtype, *,
                  pause: Callable[[], contextlib.AbstractContextManager] | None = None, check: bool = True,
                  capture_with: Callable[[torch.device], Any] | None = None, capture_updates: bool = True,
-                 capturer=None):
+                 capturer=None, ends_step: bool = False):
         if capture_with is None:
             if device.type != "cuda":
                 raise ConfigError(f"CUDA graphs need a CUDA device, got {device}")
@@ -412,6 +418,7 @@ class StepGraphs:
         self._capturer = capturer
         self.pause = pause or contextlib.nullcontext
         self.check = check
+        self.ends_step = ends_step
         self.stats = GraphStats()
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._steps: dict[StepKey, CapturedStep] = {}
@@ -433,14 +440,14 @@ class StepGraphs:
     # -- the step ------------------------------------------------------------------------------
 
     def run(self, batches: list, args: ForwardArgs, scale: float,
-            mark: Callable[[str], None] | None = None) -> torch.Tensor:
-        """The loop over ``batches`` (already on the device): replayed, captured or eager.
-        Returns the scaled losses' sum (0-d fp32, a fresh tensor).  ``mark``: the host phase
-        tracer (:func:`speedrun.train.loop.run_step`'s ``on_phase``), called with "graph_key",
-        "graph_inputs" and "graph_replay" as a replayed step issues each, or with "forward" once
-        when the step is captured or runs eagerly."""
+            mark: Callable[[str], None] | None = None, divisor: float = 1.0) -> torch.Tensor:
+        """The loop over ``batches`` (already on the device): replayed, captured or eager, and
+        with ``ends_step`` the step's end.  Returns the scaled losses' sum over ``divisor`` (0-d
+        fp32, a fresh tensor).  ``mark``: the host phase tracer (:func:`speedrun.train.loop.run_step`'s
+        ``on_phase``), called with "graph_key", "graph_inputs" and "graph_replay" as a replayed
+        step issues each, or with "forward" once when the step is captured or runs eagerly."""
         mark = mark or _no_mark
-        key = self._key(batches, args, scale)
+        key = self._key(batches, args, scale, divisor)
         step = self._steps.get(key)
         if step is not None:
             mark("graph_key")
@@ -451,7 +458,7 @@ class StepGraphs:
         if seen < CAPTURE_ON_SIGHT:
             self._note_missed(key)
             self.stats.eager_steps += 1
-            total = microbatch.accumulate(self.model, batches, args, scale, self.device, self.dtype)
+            total = self._loop(batches, args, scale, divisor)
             mark("forward")
             return total
         with self.pause():
@@ -502,8 +509,8 @@ class StepGraphs:
     def _roots(self) -> list[tuple[str, Any]]:
         return _roots(self.model)
 
-    def _key(self, batches: list, args: ForwardArgs, scale: float) -> StepKey:
-        return step_key(self.model, batches, args, scale)
+    def _key(self, batches: list, args: ForwardArgs, scale: float, divisor: float) -> StepKey:
+        return step_key(self.model, batches, args, scale, divisor)
 
     def _note_missed(self, key: StepKey) -> None:
         """Record (the first few times) why a step that resembles a captured one is not it."""
@@ -575,6 +582,14 @@ class StepGraphs:
 
     # -- capture -------------------------------------------------------------------------------
 
+    def _loop(self, batches: list, args: ForwardArgs, scale: float, divisor: float) -> torch.Tensor:
+        """What a graph holds, run eagerly: the micro-batch loop, the step end where it is
+        captured too, the loss over ``divisor``."""
+        total = microbatch.accumulate(self.model, batches, args, scale, self.device, self.dtype)
+        if self.ends_step:
+            self.model.end_step()
+        return total if divisor == 1 else total / divisor
+
     def _capture(self, key: StepKey, batches: list, args: ForwardArgs, scale: float) -> CapturedStep:
         model, device = self.model, self.device
         if self._loss is None:
@@ -593,8 +608,12 @@ class StepGraphs:
         before = [t.detach().clone() for _, t in state]
         grads_before = {id(p): (p.grad, None if p.grad is None else p.grad.detach().clone()) for _, p in self._params}
         with cap.on_side_stream():
-            eager_loss = microbatch.accumulate(model, static, gargs, scale, device, self.dtype)
+            eager_loss = self._loop(static, gargs, scale, key.divisor)
         cap.synchronize()
+        if model.graph_signature() != key.signature:  # the host state a replay restores would not be whole
+            raise SpeedrunError(f"CUDA graphs: the eager loop changed the model's graph signature "
+                                f"({key.signature} -> {model.graph_signature()}); a key that does so "
+                                "cannot be captured (the capture plan missed a state)")
         received = [(n, p) for n, p in self._params if p.grad is not None]
         names = ["loss"] + [f"{n}.grad" for n, _ in received] + [n for n, _ in state]
 
@@ -606,7 +625,7 @@ class StepGraphs:
         if self.check:  # the eager loop again from the same snapshot: its own run-to-run noise
             self._restore(state, before, host, grads_before)
             with cap.on_side_stream():
-                again = microbatch.accumulate(model, static, gargs, scale, device, self.dtype)
+                again = self._loop(static, gargs, scale, key.divisor)
             cap.synchronize()
             noise = [_relative_error(a, b) for a, b in zip(outputs(again), eager)]
 
@@ -631,8 +650,7 @@ class StepGraphs:
         def loop() -> None:
             if fresh:
                 torch._foreach_zero_(fresh)
-            total = microbatch.accumulate(model, static, gargs, scale, device, self.dtype)
-            self._loss.copy_(total)
+            self._loss.copy_(self._loop(static, gargs, scale, key.divisor))
 
         graph = cap.capture(loop)
         host_after = model.graph_host_state()

@@ -69,8 +69,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-STEP_PHASES = ("setup", "data", "forward", "backward", "after_backward", "grad_reduce", "optimizer", "fp8_refresh",
-               "fp8_step_end")
+STEP_PHASES = ("setup", "data", "forward", "backward", "after_backward", "fp8_step_end", "grad_reduce", "optimizer",
+               "fp8_refresh")
 # A replayed step's micro-batch phases instead of forward/backward/after_backward (see StepGraphs.run)
 GRAPH_PHASES = ("graph_key", "graph_inputs", "graph_replay")
 
@@ -103,10 +103,16 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
     fetched = microbatch.micro_batches(loader, accum, on_batch=recipe.note_batch)
     if graphs is None:
         total = microbatch.accumulate(model, fetched, args, unit / accum, info.device, dtype, mark)
+        total = total if unit == 1 else total / unit
     else:
         batches = list(fetched)
         mark("data")
-        total = graphs.run(batches, args, unit / accum, mark)
+        total = graphs.run(batches, args, unit / accum, mark, divisor=unit)
+    if graphs is None or not graphs.ends_step:
+        # next step's FP8 activation scales from this step's amaxes, the same on every rank (an
+        # all-reduce on several); it reads and writes no tensor the update below touches
+        model.end_step()
+    mark("fp8_step_end")
     model.flush_weight_grads()  # the MLP bank's, summed in place (model.mlp_weight_grad)
     if recipe.embedding_grads_due(step):  # accumulated in place (model.embedding_grad)
         model.flush_embedding_grads()
@@ -114,9 +120,7 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
         distributed.all_reduce_mean_([p.grad for p in model.parameters() if p.grad is not None], info)
     mark("grad_reduce")
     recipe.optimizer_step(step, mark)  # marks "optimizer", then "fp8_refresh"
-    model.end_step()  # next step's FP8 activation scales, the same on every rank
-    mark("fp8_step_end")
-    return total if unit == 1 else total / unit
+    return total
 
 
 @torch.no_grad()
@@ -509,7 +513,8 @@ def timed_loop(run: Run, run_dir: Path, log: RunLog, progress: Progress, stop_af
     graphs = None
     if graphs_enabled(cfg.train.cuda_graphs, device):
         graphs = StepGraphs(run.run_model, recipe, device, run.dtype, pause=clock.pause,
-                            check=cfg.train.cuda_graph_check, capture_updates=cfg.train.cuda_graph_optimizer)
+                            check=cfg.train.cuda_graph_check, capture_updates=cfg.train.cuda_graph_optimizer,
+                            ends_step=run.info.world_size == 1)
     clock.start()
     recipe.on_clock_start()
     steplog = StepLog(device, clock)
