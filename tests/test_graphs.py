@@ -14,12 +14,12 @@ import torch
 from speedrun.config import apply_overrides, preset
 from speedrun.errors import ConfigError
 from speedrun.kernels.step_values import StepValues
+from speedrun.train.addresses import reachable_tensors
 from speedrun.train.graphs import (
     STEPS_UNTIL_REPLAY,
     STEPS_UNTIL_UPDATE_REPLAY,
     _relative_error,
     graphs_enabled,
-    reachable_tensors,
     step_key,
 )
 
@@ -226,12 +226,25 @@ def test_scalar_state_is_judged_by_the_fp8_step_it_steers():
             compare_replay("t", names, [*got[:2], torch.tensor(bad), got[3]], want, noise, scalar_state_from=2)
 
 
+def _step_values_round_trip(device: torch.device) -> None:
+    values = StepValues(device, 4)
+    for i in range(10):  # around the ring more than twice, fewer values than slots
+        fresh = [i + 0.1, 1 / 3] if i % 2 else [i + 0.1, 1 / 3, 2.0 ** -30, -7.25]
+        buf = values.write(fresh)
+        want = torch.tensor(fresh + [0.0] * (4 - len(fresh)), dtype=torch.float32)  # fp32, rounded once
+        assert torch.equal(buf.cpu(), want), (i, buf, want)
+    with pytest.raises(ValueError, match="5 values for a buffer of 4"):
+        values.write([0.0] * 5)
+
+
+def test_step_values_write_rounds_to_fp32_and_zero_the_rest():
+    _step_values_round_trip(torch.device("cpu"))
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory and events need CUDA")
 def test_step_values_ring():
-    values = StepValues(torch.device("cuda"), 4)
-    for i in range(10):
-        buf = values.write([float(i), 0.5])
-        assert buf.tolist() == [float(i), 0.5, 0.0, 0.0]
+    _step_values_round_trip(torch.device("cuda"))
 
 
 # merged micro-batches: four chunks of 32 tokens per step as two micro-batches of 64

@@ -755,12 +755,15 @@ def quantize_current_reference(
 # The cache
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class FP8Weight:
     """One cached weight (or a batch of them): both FP8 layouts and the dequantisation scale.
 
     ``data`` (.., R, C) row-major, ``data_t`` (.., C, R) contiguous, ``scale`` fp32 0-d or (B,),
-    already including any multiplier; ``version`` is the cache version it was read at.
+    already including any multiplier; ``version`` is the cache version it was read at.  An
+    :class:`FP8WeightCache` keeps one per name for good, its tensors rewritten in place and its
+    ``version`` advanced at each refresh (the object, like its tensors, keeps its identity, which
+    keeps the CUDA graphs' address check cheap: :mod:`speedrun.train.addresses`).
     """
 
     data: torch.Tensor
@@ -819,7 +822,8 @@ class FP8WeightCache:
         self._amax: dict[str, torch.Tensor] = {}  # amax measured at the last refresh (next scale)
         self._raw_scale: dict[str, torch.Tensor] = {}  # scale used at the last refresh, no multiplier
         self._refreshes: dict[str, int] = {}
-        self._sources: dict[str, tuple[torch.Tensor, int]] = {}
+        self._sources: dict[str, torch.Tensor] = {}  # the weight each entry was made from
+        self._source_versions: dict[str, int] = {}  # ... and its version counter then
         self._replay: dict[str, torch.Tensor] = {}  # scales the next refresh reuses (after a load)
 
     @property
@@ -883,11 +887,15 @@ class FP8WeightCache:
                 deq = deq.clone()  # never an alias of the raw scale below
             raw = self._raw_scale.get(name)
             scale = raw.copy_(scale) if raw is not None and raw.shape == scale.shape else scale.clone()
-            self._entries[name] = FP8Weight(q, qt, deq, self.version + 1)
+            if prev is not None and prev.data is q and prev.data_t is qt and prev.scale is deq:
+                prev.version = self.version + 1  # everything written in place
+            else:
+                self._entries[name] = FP8Weight(q, qt, deq, self.version + 1)
             self._amax[name] = amax
             self._raw_scale[name] = scale
             self._refreshes[name] = n + 1
-            self._sources[name] = (w, w._version)
+            self._sources[name] = w
+            self._source_versions[name] = w._version
         self.version += 1
         self._valid = True
 
@@ -900,8 +908,7 @@ class FP8WeightCache:
                 f"FP8 weight cache read for {name!r} after invalidate() without refresh() (version {self.version})"
             )
         if self.check_versions:
-            src, ver = self._sources[name]
-            if src._version != ver:
+            if self._sources[name]._version != self._source_versions[name]:
                 raise StaleFP8CacheError(
                     f"weight {name!r} was modified in place after the FP8 cache refresh (version {self.version}); "
                     "call refresh() once per optimizer update"

@@ -28,7 +28,9 @@ class StepValues:
         self.buffer = torch.zeros(size, dtype=torch.float32, device=device)
         cuda = device.type == "cuda"
         self._host = [torch.zeros(size, dtype=torch.float32, pin_memory=cuda) for _ in range(self.RING)]
-        self._done: list[Any] = [None] * self.RING
+        self._host_np = [h.numpy() for h in self._host]  # the same memory, written without torch ops
+        # one event per ring slot, recorded after its copy is queued (never recorded yet: no wait)
+        self._done = [torch.cuda.Event() if cuda else None for _ in range(self.RING)]
         self._next = 0
 
     def write(self, values: Sequence[float]) -> torch.Tensor:
@@ -38,13 +40,13 @@ class StepValues:
             raise ValueError(f"StepValues: {len(values)} values for a buffer of {self.buffer.numel()}")
         i = self._next
         self._next = (i + 1) % self.RING
-        if self._done[i] is not None:
-            self._done[i].synchronize()
-        host = self._host[i]
-        host.zero_()
-        host[: len(values)] = torch.tensor(values, dtype=torch.float32)
-        self.buffer.copy_(host, non_blocking=True)
-        if self.device.type == "cuda":
-            self._done[i] = torch.cuda.Event()
-            self._done[i].record()
+        done = self._done[i]
+        if done is not None:
+            done.synchronize()  # the copy that last read this slot has run
+        host = self._host_np[i]
+        host.fill(0.0)
+        host[: len(values)] = values  # float64 -> fp32, rounded to nearest as torch.tensor(...) does
+        self.buffer.copy_(self._host[i], non_blocking=True)
+        if done is not None:
+            done.record()
         return self.buffer

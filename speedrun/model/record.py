@@ -317,11 +317,14 @@ class RecordGPT(TrainableModel):
         self.mlp_impl = relu2_mlp_plain
         self.dc_impl = dc_postonly_correction
         self._mlp_fp8 = None  # FP8WeightCache of mlp_bank, refreshed once per optimizer update
-        self._head_fp8 = None  # (HeadFP8Weight of lm_head, lm_head._version at the refresh)
+        self._head_fp8 = None  # HeadFP8Weight of lm_head, refreshed once per optimizer update
+        self._head_fp8_version: int | None = None  # lm_head._version at that refresh
         self._qkv_fp8: dict[int, object] = {}  # attention index -> PackedQKV, same cadence
         self._qkv_inputs: dict[int, object] = {}  # attention index -> InputScaling of x and dy
         self._qkv_replay: dict[int, torch.Tensor] = {}  # raw scales the next refresh reuses (resume)
-        self._qkv_fp8_versions: tuple[int, ...] | None = None
+        # the banks' and scalars' version counters at the last refresh (a list kept and rewritten:
+        # state objects keep their identity from step to step, see speedrun.train.addresses)
+        self._qkv_fp8_versions: list[int] = []
         self._mlp_weight_grads = None
         if model_cfg.mlp_weight_grad == "accumulate":
             from speedrun.model.bank_grad import MLPBankGradAccumulator
@@ -563,8 +566,8 @@ class RecordGPT(TrainableModel):
 
             # As FusedHead feeds the head: bf16, so the cached bits equal a per-call quantisation.
             w = self.lm_head.to(torch.bfloat16).contiguous()
-            prev = self._head_fp8[0] if self._head_fp8 is not None else None
-            self._head_fp8 = (quantize_head_weight(w, W_SCALE, out=prev), self.lm_head._version)
+            self._head_fp8 = quantize_head_weight(w, W_SCALE, out=self._head_fp8)
+            self._head_fp8_version = self.lm_head._version
         if self.cfg.qkv_path == "fused_fp8":
             from speedrun.kernels.qkv_pack import delayed_scale, pack_qkv_fp8, repack_qkv_fp8
 
@@ -591,7 +594,7 @@ class RecordGPT(TrainableModel):
                             getattr(prev, name).copy_(getattr(packed, name))
                         packed = prev
                     self._qkv_fp8[j] = packed
-            self._qkv_fp8_versions = self._qkv_sources_version()
+            self._qkv_fp8_versions[:] = self._qkv_sources_version()
 
     def _fp8_scale_states(self) -> list:
         states = self.mlp_impl.scale_states() if hasattr(self.mlp_impl, "scale_states") else []
@@ -613,10 +616,11 @@ class RecordGPT(TrainableModel):
         without warmup (upstream's scales are buffers, restored with its weights)."""
         self._mlp_fp8 = None
         self._head_fp8 = None
+        self._head_fp8_version = None
         self._qkv_fp8 = {}
         self._qkv_inputs = {}
         self._qkv_replay = {}
-        self._qkv_fp8_versions = None
+        self._qkv_fp8_versions = []
         if hasattr(self.mlp_impl, "scales"):
             self.mlp_impl.scales = {}
 
@@ -758,8 +762,8 @@ class RecordGPT(TrainableModel):
             self.load_fp8_state_dict(state["fp8"])
         self.load_embedding_grad_state(state.get("embedding_grads") or {})
 
-    def _qkv_sources_version(self) -> tuple[int, ...]:
-        return (self.qk_bank._version, self.vo_bank._version, self.scalars._version)
+    def _qkv_sources_version(self) -> list[int]:
+        return [self.qk_bank._version, self.vo_bank._version, self.scalars._version]
 
     def mlp_fp8_weights(self, layer: int):
         """(FP8Weight of c_fc (H, D), FP8Weight of c_proj seen as (D, H)) for ``layer``, or None
@@ -774,13 +778,12 @@ class RecordGPT(TrainableModel):
         (through autograd-visible ops, e.g. a checkpoint load) since the refresh."""
         if self._head_fp8 is None:
             return None
-        weight, version = self._head_fp8
-        if self.lm_head._version != version:
+        if self.lm_head._version != self._head_fp8_version:
             from speedrun.kernels.fp8_cache import StaleFP8CacheError
 
             raise StaleFP8CacheError("FP8 lm_head read after lm_head changed; call refresh_fp8_weights() once per "
                                      "optimizer update")
-        return weight
+        return self._head_fp8
 
     def qkv_fp8_weight(self, j: int):
         """The packed FP8 QKV weight of attention layer ``j`` (None before the first refresh)."""

@@ -20,7 +20,8 @@ and loss scale, the attention windows, how many MTP weights there are and whethe
 runs, which parameters already hold a gradient when the step starts (the record's Adam gradients
 wait across an even step), the model's ``graph_signature()`` (e.g. which FP8 scales are ready)
 and an *address fingerprint*: the data pointer of every tensor reachable from the model (FP8
-weight caches and scales, RoPE tables, accumulators).  A graph reads
+weight caches and scales, RoPE tables, accumulators; taken every step through an
+:class:`~speedrun.train.addresses.AddressWatch`, which walks only when something changed).  A graph reads
 and writes fixed addresses, so the code it captures keeps its state in tensors that are updated
 in place; if one is replaced anyway, the fingerprint changes, and the step runs eagerly (and is
 captured anew when seen again) instead of reading stale or freed memory.
@@ -58,6 +59,7 @@ from speedrun.errors import ConfigError, SpeedrunError
 from speedrun.kernels.step_values import StepValues
 from speedrun.model.interface import ForwardArgs
 from speedrun.train import microbatch
+from speedrun.train.addresses import AddressWatch, address_fingerprint, reachable_tensors
 
 # A key is captured the second time it is seen: the first run is eager (it also fills every cache
 # the capture then finds warm), and a key seen once only (a step whose FP8 scales are not ready
@@ -111,130 +113,6 @@ def graphs_enabled(setting: str, device: torch.device) -> bool:
 # What a graph bakes in
 
 
-# Values a walk for tensors never enters.
-_LEAF_TYPES = (str, bytes, int, float, bool, type(None), torch.device, torch.dtype)
-
-# How the walk treats a value, by its type (see _kind).
-_SKIP, _TENSOR, _DICT, _SEQUENCE, _MODULE, _OBJECT = range(6)
-
-
-def _kind(tp: type) -> int:
-    if issubclass(tp, _LEAF_TYPES):
-        return _SKIP
-    if issubclass(tp, torch.Tensor):
-        return _TENSOR
-    if issubclass(tp, dict):
-        return _DICT
-    if issubclass(tp, (list, tuple)):
-        return _SEQUENCE
-    if issubclass(tp, torch.nn.Module):
-        return _MODULE
-    return _OBJECT if tp.__module__.startswith("speedrun.") else _SKIP
-
-
-def _module_attribute_skipped(name: str) -> bool:
-    """A module's compiled forms and hook tables hold no state of its own."""
-    return name.startswith("_compiled") or name.endswith("_hooks")
-
-
-def reachable_tensors(roots: Sequence[tuple[str, Any]], *, paths: bool = False,
-                      skip_parameters: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor reachable from ``roots`` (name, object) through attributes of nn.Modules and
-    of objects defined in this package, dicts, lists and tuples, in a fixed order (depth first, in
-    attribute order), each object entered once.  Tensors are not entered (their ``.grad`` is not
-    included).  ``paths``: name each one (for messages), else the names are "" and the walk is
-    :func:`_tensors_of` (the one the step and update keys make every step).  ``skip_parameters``:
-    leave out the modules' parameters and registered buffers."""
-    if not paths:
-        return [("", t) for t in _tensors_of(roots, skip_parameters)]
-    out: list[tuple[str, torch.Tensor]] = []
-    seen: set[int] = set()
-
-    def visit(obj: Any, path: str) -> None:
-        kind = _kind(type(obj))
-        if kind == _TENSOR:
-            out.append((path, obj))
-            return
-        if kind == _SKIP or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if kind == _DICT:
-            for k, v in obj.items():
-                visit(v, f"{path}[{k!r}]")
-        elif kind == _SEQUENCE:
-            for i, v in enumerate(obj):
-                visit(v, f"{path}[{i}]")
-        elif kind == _MODULE:
-            for name, v in vars(obj).items():
-                if name in ("_parameters", "_buffers"):
-                    if not skip_parameters:
-                        out.extend((f"{path}.{n}", t) for n, t in v.items() if t is not None)
-                elif name == "_modules":
-                    for n, m in v.items():
-                        visit(m, f"{path}.{n}")
-                elif not _module_attribute_skipped(name):
-                    visit(v, f"{path}.{name}")
-        else:
-            for name, v in (getattr(obj, "__dict__", None) or {}).items():
-                visit(v, f"{path}.{name}")
-
-    for name, root in roots:
-        visit(root, name)
-    return out
-
-
-def _tensors_of(roots: Sequence[tuple[str, Any]], skip_parameters: bool = False) -> list[torch.Tensor]:
-    """:func:`reachable_tensors` without names: the same tensors in the same order.  Runs on the
-    host every step, so each value's kind is looked up by its type in a table built as the walk
-    meets types, inline, and a call is made only for the objects it enters."""
-    out: list[torch.Tensor] = []
-    seen: set[int] = set()
-    kinds: dict[type, int] = {}
-    append = out.append
-
-    def visit_values(values) -> None:
-        for v in values:
-            tp = type(v)
-            kind = kinds.get(tp)
-            if kind is None:
-                kind = kinds[tp] = _kind(tp)
-            if kind == _TENSOR:
-                append(v)
-            elif kind != _SKIP:
-                enter(v, kind)
-
-    def enter(obj: Any, kind: int) -> None:
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if kind == _DICT:
-            visit_values(obj.values())
-        elif kind == _SEQUENCE:
-            visit_values(obj)
-        elif kind == _MODULE:
-            for name, v in vars(obj).items():
-                if name == "_parameters" or name == "_buffers":
-                    if not skip_parameters:
-                        out.extend(t for t in v.values() if t is not None)
-                elif name == "_modules":
-                    visit_values(v.values())
-                elif not _module_attribute_skipped(name):
-                    visit_values((v,))
-        else:
-            attrs = getattr(obj, "__dict__", None)
-            if attrs:
-                visit_values(attrs.values())
-
-    visit_values([root for _, root in roots])
-    return out
-
-
-def address_fingerprint(roots: Sequence[tuple[str, Any]]) -> tuple[int, ...]:
-    """The addresses of every tensor :func:`reachable_tensors` finds from ``roots``, in its order:
-    what a captured graph baked in, compared every step."""
-    return tuple(t.data_ptr() for t in _tensors_of(roots))
-
-
 @dataclass(frozen=True)
 class StepKey:
     """See the module docstring: what a captured step depends on besides the tensors' values."""
@@ -251,19 +129,24 @@ class StepKey:
     fingerprint: tuple
 
 
-def step_key(model, batches: Sequence, args: ForwardArgs, scale: float, divisor: float = 1.0) -> StepKey:
+def step_key(model, batches: Sequence, args: ForwardArgs, scale: float, divisor: float = 1.0, *,
+             fingerprint: tuple | None = None, params: Sequence[tuple[str, torch.nn.Parameter]] | None = None
+             ) -> StepKey:
     """The :class:`StepKey` of a step about to run ``batches`` with ``args``: the model as it is
-    now (gradients held, FP8 readiness, addresses)."""
+    now (gradients held, FP8 readiness, addresses).  ``fingerprint``: :func:`address_fingerprint`
+    of :func:`_roots` (``model``), ``params``: ``model``'s named parameters, both kept by a caller
+    that takes a key every step (:class:`StepGraphs`); else made here."""
     shape = _batch_shape(batches[0])
     if any(_batch_shape(b) != shape for b in batches[1:]):
         raise ValueError("step_key: the micro-batches of one step must share their shapes")
     signature = model.graph_signature()
+    params = model.named_parameters() if params is None else params
     return StepKey(
         shapes=shape, count=len(batches), scale=float(scale), divisor=float(divisor),
         windows=(args.window_short, args.window_long),
         mtp_count=len(args.mtp_weights), prefix=not _is_zero(args.prefix_weight),
-        present=frozenset(n for n, p in model.named_parameters() if p.grad is not None), signature=signature,
-        fingerprint=address_fingerprint(_roots(model)),
+        present=frozenset(n for n, p in params if p.grad is not None), signature=signature,
+        fingerprint=address_fingerprint(_roots(model)) if fingerprint is None else fingerprint,
     )
 
 
@@ -421,6 +304,9 @@ class StepGraphs:
         self.ends_step = ends_step
         self.stats = GraphStats()
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._watch = AddressWatch(_roots(model))  # the step key's fingerprint, every step
+        self._named_params: list = []  # ... and its parameters, listed again whenever the watch walks
+        self._named_at = -1
         self._steps: dict[StepKey, CapturedStep] = {}
         self._sightings: dict[StepKey, int] = {}
         self._grad_buffers: dict[int, torch.Tensor] = {}  # id(param) -> its gradient buffer
@@ -510,7 +396,10 @@ class StepGraphs:
         return _roots(self.model)
 
     def _key(self, batches: list, args: ForwardArgs, scale: float, divisor: float) -> StepKey:
-        return step_key(self.model, batches, args, scale, divisor)
+        fingerprint = self._watch.fingerprint()
+        if self._watch.walks != self._named_at:  # the model's structure may have changed
+            self._named_params, self._named_at = list(self.model.named_parameters()), self._watch.walks
+        return step_key(self.model, batches, args, scale, divisor, fingerprint=fingerprint, params=self._named_params)
 
     def _note_missed(self, key: StepKey) -> None:
         """Record (the first few times) why a step that resembles a captured one is not it."""

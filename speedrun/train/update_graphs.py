@@ -38,13 +38,8 @@ from typing import Any, Callable
 
 import torch
 
-from speedrun.train.graphs import (
-    CAPTURE_ON_SIGHT,
-    GraphStats,
-    _relative_error,
-    address_fingerprint,
-    compare_replay,
-)
+from speedrun.train.addresses import AddressWatch
+from speedrun.train.graphs import CAPTURE_ON_SIGHT, GraphStats, _relative_error, compare_replay
 
 __all__ = ["UpdateGraphs", "update_capturable"]
 
@@ -85,6 +80,7 @@ class UpdateGraphs:
         self.check = check
         self.stats = stats
         self._updates: dict[tuple, CapturedUpdate] = {}
+        self._watch = AddressWatch([("optimizer", optimizer)])  # the update key's fingerprint
         self._sightings: dict[tuple, int] = {}
 
     def launch(self, plan) -> None:
@@ -130,8 +126,7 @@ class UpdateGraphs:
     def _key(self, plan) -> tuple | None:
         if plan.untie:
             return None
-        fingerprint = address_fingerprint([("optimizer", self.optimizer)])
-        return plan.structure, tuple(g.data_ptr() for g in self._reads(plan)), fingerprint
+        return plan.structure, tuple(g.data_ptr() for g in self._reads(plan)), self._watch.fingerprint()
 
     # -- capture -----------------------------------------------------------------------------------
 

@@ -1,0 +1,275 @@
+"""Where the tensors a captured CUDA graph reads and writes live: the walk that finds every tensor
+reachable from a model (or an optimizer), and the address fingerprint the graphs' keys hold.
+
+A graph bakes in addresses.  If code between replays puts a new tensor where an old one was (an
+attribute rebound, a dict entry replaced, ``.data`` swapped), a replay would read stale or freed
+memory; the step and update keys (:mod:`speedrun.train.graphs`, :mod:`speedrun.train.update_graphs`)
+therefore hold the data pointer of every reachable tensor, in the walk's order, and a changed
+fingerprint means a new key (run eagerly, captured anew).
+
+The walk enters nn.Modules (their attributes, parameters, buffers and submodules; compiled forms
+and hook tables are skipped), objects of this package (their ``__dict__``), dicts, lists and
+tuples, each object once, depth first in attribute order; it never enters a tensor (a ``.grad``
+is not included).  Anything else (numbers, strings, None, functions, other libraries' objects) is
+a leaf.
+
+The fingerprint is taken every step, so its cost is host time of every step.
+:class:`AddressWatch` keeps it cheap: it walks once and records each edge the walk followed
+(container, key, and the object found there, or for a tensor its address), each leaf it passed
+over (container, key, the leaf's type) and the size of every container; while all of those still
+hold, the walk would return tensors at the same addresses in the same order, so the last
+fingerprint stands.  The check is a few C-level passes over flat lists instead of a Python call
+per object; anything it finds changed makes it walk again.  So the state a step leaves must keep
+its containers: an object rebuilt around the same tensors every step (a fresh tuple, a new
+wrapper) is no error, but it costs a full walk each time (``tests/test_addresses.py`` checks that
+the presets' state settles).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["AddressWatch", "address_fingerprint", "reachable_tensors"]
+
+# Values a walk for tensors never enters.
+_LEAF_TYPES = (str, bytes, int, float, bool, type(None), torch.device, torch.dtype)
+
+# How the walk treats a value, by its type (see _kind).
+_SKIP, _TENSOR, _DICT, _SEQUENCE, _MODULE, _OBJECT = range(6)
+
+
+def _kind(tp: type) -> int:
+    if issubclass(tp, _LEAF_TYPES):
+        return _SKIP
+    if issubclass(tp, torch.Tensor):
+        return _TENSOR
+    if issubclass(tp, dict):
+        return _DICT
+    if issubclass(tp, (list, tuple)):
+        return _SEQUENCE
+    if issubclass(tp, torch.nn.Module):
+        return _MODULE
+    return _OBJECT if tp.__module__.startswith("speedrun.") else _SKIP
+
+
+def _module_attribute_skipped(name: str) -> bool:
+    """A module's compiled forms and hook tables hold no state of its own."""
+    return name.startswith("_compiled") or name.endswith("_hooks")
+
+
+def reachable_tensors(roots: Sequence[tuple[str, Any]], *, paths: bool = False,
+                      skip_parameters: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor reachable from ``roots`` (name, object), in the walk's order (module
+    docstring).  ``paths``: name each one (for messages), else the names are "" and the walk is
+    :func:`_tensors_of`.  ``skip_parameters``: leave out the modules' parameters and registered
+    buffers."""
+    if not paths:
+        return [("", t) for t in _tensors_of(roots, skip_parameters)]
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, path: str) -> None:
+        kind = _kind(type(obj))
+        if kind == _TENSOR:
+            out.append((path, obj))
+            return
+        if kind == _SKIP or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if kind == _DICT:
+            for k, v in obj.items():
+                visit(v, f"{path}[{k!r}]")
+        elif kind == _SEQUENCE:
+            for i, v in enumerate(obj):
+                visit(v, f"{path}[{i}]")
+        elif kind == _MODULE:
+            for name, v in vars(obj).items():
+                if name in ("_parameters", "_buffers"):
+                    if not skip_parameters:
+                        out.extend((f"{path}.{n}", t) for n, t in v.items() if t is not None)
+                elif name == "_modules":
+                    for n, m in v.items():
+                        visit(m, f"{path}.{n}")
+                elif not _module_attribute_skipped(name):
+                    visit(v, f"{path}.{name}")
+        else:
+            for name, v in (getattr(obj, "__dict__", None) or {}).items():
+                visit(v, f"{path}.{name}")
+
+    for name, root in roots:
+        visit(root, name)
+    return out
+
+
+def _tensors_of(roots: Sequence[tuple[str, Any]], skip_parameters: bool = False) -> list[torch.Tensor]:
+    """:func:`reachable_tensors` without names: the same tensors in the same order.  Each value's
+    kind is looked up by its type in a table built as the walk meets types, inline, and a call
+    is made only for the objects it enters."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    kinds: dict[type, int] = {}
+    append = out.append
+
+    def visit_values(values) -> None:
+        for v in values:
+            tp = type(v)
+            kind = kinds.get(tp)
+            if kind is None:
+                kind = kinds[tp] = _kind(tp)
+            if kind == _TENSOR:
+                append(v)
+            elif kind != _SKIP:
+                enter(v, kind)
+
+    def enter(obj: Any, kind: int) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if kind == _DICT:
+            visit_values(obj.values())
+        elif kind == _SEQUENCE:
+            visit_values(obj)
+        elif kind == _MODULE:
+            for name, v in vars(obj).items():
+                if name == "_parameters" or name == "_buffers":
+                    if not skip_parameters:
+                        out.extend(t for t in v.values() if t is not None)
+                elif name == "_modules":
+                    visit_values(v.values())
+                elif not _module_attribute_skipped(name):
+                    visit_values((v,))
+        else:
+            attrs = getattr(obj, "__dict__", None)
+            if attrs:
+                visit_values(attrs.values())
+
+    visit_values([root for _, root in roots])
+    return out
+
+
+def address_fingerprint(roots: Sequence[tuple[str, Any]]) -> tuple[int, ...]:
+    """The addresses of every tensor :func:`reachable_tensors` finds from ``roots``, in its order:
+    what a captured graph baked in.  Walks every time; :class:`AddressWatch` is the cheap way to
+    take it every step."""
+    return tuple(t.data_ptr() for t in _tensors_of(roots))
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+class AddressWatch:
+    """:func:`address_fingerprint` of ``roots``, walking only when something the walk depends on
+    changed since its last walk (module docstring).  The watch holds references to what it
+    recorded until it walks again (an object replaced stays alive until the next
+    :meth:`fingerprint`)."""
+
+    def __init__(self, roots: Sequence[tuple[str, Any]]):
+        self.roots = list(roots)
+        self.walks = 0  # full walks so far (the first, then one per change found)
+        self._fingerprint: tuple[int, ...] | None = None
+
+    def fingerprint(self) -> tuple[int, ...]:
+        """The fingerprint now; the very tuple of the last call while nothing changed."""
+        if self._fingerprint is None or not self._unchanged():
+            self._record()
+        return self._fingerprint
+
+    def _unchanged(self) -> bool:
+        try:
+            if not all(map(operator.is_, map(operator.getitem, self._holders, self._keys), self._found)):
+                return False
+            leaves = map(type, map(operator.getitem, self._leaf_holders, self._leaf_keys))
+            if not all(map(self._leaf_types.__contains__, leaves)):
+                return False
+            if list(map(_data_ptr, map(operator.getitem, self._tensor_holders, self._tensor_keys))) != self._ptrs:
+                return False
+        except (KeyError, IndexError, TypeError):  # an entry went away; a tensor's place holds something else
+            return False
+        return list(map(len, self._sized)) == self._sizes
+
+    def _record(self) -> None:
+        """The walk of :func:`_tensors_of`, noting every edge, leaf and container size on the way."""
+        holders, keys, found = [], [], []  # holder[key] is found (identity)
+        leaf_holders, leaf_keys, leaf_types = [], [], set()  # holder[key] has a leaf's type
+        tensor_holders, tensor_keys, ptrs = [], [], []  # holder[key] is a tensor at this address
+        sized: list = []  # containers whose length must not change
+        seen: set[int] = set()
+        kinds: dict[type, int] = {}
+
+        def edge(holder, key, value) -> None:
+            tp = type(value)
+            kind = kinds.get(tp)
+            if kind is None:
+                kind = kinds[tp] = _kind(tp)
+            if kind == _SKIP:
+                leaf_holders.append(holder)
+                leaf_keys.append(key)
+                leaf_types.add(tp)
+            elif kind == _TENSOR:  # by address: a new view of the same memory changes nothing
+                tensor_holders.append(holder)
+                tensor_keys.append(key)
+                ptrs.append(value.data_ptr())
+            else:
+                holders.append(holder)
+                keys.append(key)
+                found.append(value)
+                enter(value, kind)
+
+        def enter(obj: Any, kind: int) -> None:
+            if id(obj) in seen:
+                return
+            seen.add(id(obj))
+            if kind == _DICT:
+                sized.append(obj)
+                for k, v in obj.items():
+                    edge(obj, k, v)
+            elif kind == _SEQUENCE:
+                sized.append(obj)
+                for i, v in enumerate(obj):
+                    edge(obj, i, v)
+            elif kind == _MODULE:
+                attrs = vars(obj)
+                sized.append(attrs)
+                for name, v in attrs.items():
+                    if name == "_parameters" or name == "_buffers":
+                        holders.append(attrs)
+                        keys.append(name)
+                        found.append(v)
+                        sized.append(v)
+                        for n, t in v.items():
+                            if t is None:
+                                leaf_holders.append(v)
+                                leaf_keys.append(n)
+                                leaf_types.add(type(None))
+                            else:
+                                tensor_holders.append(v)
+                                tensor_keys.append(n)
+                                ptrs.append(t.data_ptr())
+                    elif name == "_modules":
+                        holders.append(attrs)
+                        keys.append(name)
+                        found.append(v)
+                        sized.append(v)
+                        for n, m in v.items():
+                            edge(v, n, m)
+                    elif not _module_attribute_skipped(name):
+                        edge(attrs, name, v)
+            else:
+                attrs = getattr(obj, "__dict__", None)
+                if attrs is not None:
+                    sized.append(attrs)
+                    for name, v in attrs.items():
+                        edge(attrs, name, v)
+
+        root_list = [root for _, root in self.roots]
+        for i, root in enumerate(root_list):
+            edge(root_list, i, root)
+        self._holders, self._keys, self._found = holders, keys, found
+        self._leaf_holders, self._leaf_keys, self._leaf_types = leaf_holders, leaf_keys, frozenset(leaf_types)
+        self._tensor_holders, self._tensor_keys, self._ptrs = tensor_holders, tensor_keys, ptrs
+        self._sized, self._sizes = sized, [len(c) for c in sized]
+        self._fingerprint = tuple(ptrs)
+        self.walks += 1

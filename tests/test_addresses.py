@@ -1,0 +1,129 @@
+"""The address fingerprint's watch (:class:`speedrun.train.addresses.AddressWatch`): after every kind
+of change a captured graph cares about it returns exactly what a fresh walk returns, and it walks
+again only when something the walk depends on changed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from speedrun.train.addresses import AddressWatch, address_fingerprint
+
+
+class _Inner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+        self.register_buffer("table", torch.zeros(3))
+        self.counter = 0  # a host counter that changes every step: not a reason to walk
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Inner()
+        self.layers = torch.nn.ModuleList([_Inner(), _Inner()])
+        self.cache = {"scale": torch.zeros(()), "amax": torch.zeros(2)}
+        self.slots = [torch.zeros(1), None, 3]
+        self.pair = (torch.zeros(2), "x")
+        self.lazy = None
+        self.ratio = 1
+
+
+def _roots(m):
+    return [("m", m)]
+
+
+def _check(watch, m, walked: bool):
+    before = watch.walks
+    got = watch.fingerprint()
+    assert got == address_fingerprint(_roots(m))
+    assert (watch.walks > before) == walked
+    return got
+
+
+# each mutation, and whether the watch must walk again after it
+MUTATIONS = {
+    "in-place write": (lambda m: m.cache["scale"].fill_(2.0), False),
+    "host counter": (lambda m: setattr(m.inner, "counter", m.inner.counter + 1), False),
+    "int to float": (lambda m: setattr(m, "ratio", 0.5), True),  # a new leaf type: walked, same fingerprint
+    "dict entry replaced": (lambda m: m.cache.__setitem__("scale", torch.zeros(())), True),
+    "dict entry added": (lambda m: m.cache.__setitem__("extra", torch.zeros(1)), True),
+    "dict entry removed": (lambda m: m.cache.pop("amax"), True),
+    "None to tensor": (lambda m: setattr(m, "lazy", torch.zeros(2)), True),
+    "list element replaced": (lambda m: m.slots.__setitem__(0, torch.zeros(1)), True),
+    "list None to tensor": (lambda m: m.slots.__setitem__(1, torch.zeros(1)), True),
+    "list grown": (lambda m: m.slots.append(torch.zeros(1)), True),
+    "parameter data swapped": (lambda m: setattr(m.inner.w, "data", torch.zeros(4)), True),
+    "parameter replaced": (lambda m: setattr(m.inner, "w", torch.nn.Parameter(torch.ones(4))), True),
+    "buffer registered": (lambda m: m.inner.register_buffer("more", torch.zeros(1)), True),
+    "submodule replaced": (lambda m: m.layers.__setitem__(0, _Inner()), True),
+    "attribute added": (lambda m: setattr(m.inner, "state", {"t": torch.zeros(1)}), True),
+    "tuple rebound": (lambda m: setattr(m, "pair", (torch.zeros(2), "x")), True),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_the_watch_follows_each_kind_of_change(name):
+    m = _Holder()
+    watch = AddressWatch(_roots(m))
+    first = _check(watch, m, walked=True)
+    assert _check(watch, m, walked=False) is first  # nothing changed: the same tuple, no walk
+    mutate, walks = MUTATIONS[name]
+    mutate(m)
+    _check(watch, m, walked=walks)
+    _check(watch, m, walked=False)
+
+
+def test_the_watch_matches_a_fresh_walk_under_random_changes():
+    """Random sequences of the mutations above (and none): after each, the watch's fingerprint is
+    a fresh walk's."""
+    rng = random.Random(0)
+    for trial in range(20):
+        m = _Holder()
+        watch = AddressWatch(_roots(m))
+        for _ in range(12):
+            name = rng.choice(list(MUTATIONS) + ["nothing"])
+            if name != "nothing":
+                try:
+                    MUTATIONS[name][0](m)
+                except (KeyError, IndexError):  # e.g. an entry already removed
+                    pass
+            assert watch.fingerprint() == address_fingerprint(_roots(m)), (trial, name)
+
+
+RECORD = ["model.kernels=fp8", "model.mlp_input_quant=graph", "model.mlp_weight_grad=accumulate"]
+CANDIDATE = ["model.kernels=fp8_full", "model.qkv_path=fused_fp8", "model.fp8_input_scaling=delayed",
+             "model.qk_prep_fp8_grad=true"]
+
+
+@pytest.mark.usefixtures("use_builtin_cache", "one_thread", "kernels_use_references")
+@pytest.mark.parametrize("switches", [RECORD, CANDIDATE], ids=["record", "candidate"])
+def test_the_watch_walks_once_over_steady_training_steps(tmp_path, switches):
+    """On the presets' real state (FP8 caches, scales, accumulators; tiny shapes, reference
+    kernels), the model's and the optimizer's: the watch's fingerprint is a fresh walk's at every
+    step, and once the state has settled (after the first step) it stops walking: the step
+    leaves its containers in place, so the key costs a check, not a walk."""
+    from speedrun import distributed
+    from speedrun.config import apply_overrides, preset
+    from speedrun.evidence.bench import build_session
+
+    cfg = preset("tiny-record")
+    apply_overrides(cfg, ["model.num_layers=4", "model.model_dim=32", "model.num_heads=2", "model.qk_head_dim=16",
+                          "train.batch_divisor=1024", "train.steps=24", "train.num_extension=3",
+                          f"out_dir={tmp_path}", *switches])
+    session = build_session("arm", cfg, 0, distributed.setup(cfg.train.device))
+    roots = ([("model", session.model)], [("optimizer", session.recipe.optimizer)])
+    watches = [AddressWatch(r) for r in roots]
+    walks = []
+    try:
+        for _ in range(6):
+            session.step()
+            for watch, r in zip(watches, roots):
+                assert watch.fingerprint() == address_fingerprint(r)
+            walks.append([w.walks for w in watches])
+    finally:
+        session.close()
+    assert walks[-1] == walks[1], walks  # settled after the first step: no walk since
