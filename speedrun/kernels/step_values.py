@@ -9,7 +9,7 @@ steps compute with the same numbers.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 

@@ -63,11 +63,11 @@ def _module_attribute_skipped(name: str) -> bool:
 def reachable_tensors(roots: Sequence[tuple[str, Any]], *, paths: bool = False,
                       skip_parameters: bool = False) -> list[tuple[str, torch.Tensor]]:
     """Every tensor reachable from ``roots`` (name, object), in the walk's order (module
-    docstring).  ``paths``: name each one (for messages), else the names are "" and the walk is
-    :func:`_tensors_of`.  ``skip_parameters``: leave out the modules' parameters and registered
-    buffers."""
+    docstring).  ``paths``: name each one (for messages), else the names are "".
+    ``skip_parameters``: leave out the modules' parameters and registered buffers.  Not for every
+    step: :class:`AddressWatch` is."""
     if not paths:
-        return [("", t) for t in _tensors_of(roots, skip_parameters)]
+        return [("", t) for _, t in reachable_tensors(roots, paths=True, skip_parameters=skip_parameters)]
     out: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
 
@@ -104,57 +104,11 @@ def reachable_tensors(roots: Sequence[tuple[str, Any]], *, paths: bool = False,
     return out
 
 
-def _tensors_of(roots: Sequence[tuple[str, Any]], skip_parameters: bool = False) -> list[torch.Tensor]:
-    """:func:`reachable_tensors` without names: the same tensors in the same order.  Each value's
-    kind is looked up by its type in a table built as the walk meets types, inline, and a call
-    is made only for the objects it enters."""
-    out: list[torch.Tensor] = []
-    seen: set[int] = set()
-    kinds: dict[type, int] = {}
-    append = out.append
-
-    def visit_values(values) -> None:
-        for v in values:
-            tp = type(v)
-            kind = kinds.get(tp)
-            if kind is None:
-                kind = kinds[tp] = _kind(tp)
-            if kind == _TENSOR:
-                append(v)
-            elif kind != _SKIP:
-                enter(v, kind)
-
-    def enter(obj: Any, kind: int) -> None:
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if kind == _DICT:
-            visit_values(obj.values())
-        elif kind == _SEQUENCE:
-            visit_values(obj)
-        elif kind == _MODULE:
-            for name, v in vars(obj).items():
-                if name == "_parameters" or name == "_buffers":
-                    if not skip_parameters:
-                        out.extend(t for t in v.values() if t is not None)
-                elif name == "_modules":
-                    visit_values(v.values())
-                elif not _module_attribute_skipped(name):
-                    visit_values((v,))
-        else:
-            attrs = getattr(obj, "__dict__", None)
-            if attrs:
-                visit_values(attrs.values())
-
-    visit_values([root for _, root in roots])
-    return out
-
-
 def address_fingerprint(roots: Sequence[tuple[str, Any]]) -> tuple[int, ...]:
     """The addresses of every tensor :func:`reachable_tensors` finds from ``roots``, in its order:
     what a captured graph baked in.  Walks every time; :class:`AddressWatch` is the cheap way to
     take it every step."""
-    return tuple(t.data_ptr() for t in _tensors_of(roots))
+    return tuple(t.data_ptr() for _, t in reachable_tensors(roots))
 
 
 _data_ptr = torch.Tensor.data_ptr
@@ -191,7 +145,7 @@ class AddressWatch:
         return list(map(len, self._sized)) == self._sizes
 
     def _record(self) -> None:
-        """The walk of :func:`_tensors_of`, noting every edge, leaf and container size on the way."""
+        """The walk of :func:`reachable_tensors`, noting every edge, leaf and container size on the way."""
         holders, keys, found = [], [], []  # holder[key] is found (identity)
         leaf_holders, leaf_keys, leaf_types = [], [], set()  # holder[key] has a leaf's type
         tensor_holders, tensor_keys, ptrs = [], [], []  # holder[key] is a tensor at this address

@@ -421,8 +421,9 @@ class StepGraphs:
 
     # -- inputs --------------------------------------------------------------------------------
 
-    def _static_inputs(self, batches: list) -> list:
-        slot = (_batch_shape(batches[0]), len(batches))
+    def _static_inputs(self, batches: list, key: StepKey) -> list:
+        """``batches`` copied into the static micro-batches of ``key``'s shapes (made on first use)."""
+        slot = (key.shapes, key.count)
         static = self._inputs.get(slot)
         if static is None:
             static = self._inputs[slot] = [_empty_like_batch(b) for b in batches]
@@ -449,7 +450,7 @@ class StepGraphs:
 
     def _replay(self, step: CapturedStep, batches: list, args: ForwardArgs,
                 mark: Callable[[str], None]) -> torch.Tensor:
-        self._static_inputs(batches)
+        self._static_inputs(batches, step.key)
         self._graph_args(args)
         mark("graph_inputs")
         self._replay_captured(step)
@@ -484,7 +485,7 @@ class StepGraphs:
         if self._loss is None:
             self._loss = torch.zeros((), dtype=torch.float32, device=device)
         cap = self._capture_device()
-        static = self._static_inputs(batches)
+        static = self._static_inputs(batches, key)
         gargs = self._graph_args(args)
         host = model.graph_host_state()
         cap.synchronize()
