@@ -296,6 +296,31 @@ def test_graph_bookkeeping_takes_the_eager_steps(tmp_path, kernels_use_reference
     assert summary["eager_updates"] + summary["replayed_updates"] + summary["update_captures"] == 9, summary
 
 
+@pytest.mark.parametrize("world", [1, 8], ids=["one-rank", "rank-of-8"])
+@pytest.mark.parametrize("switches", [RECORD, CANDIDATE], ids=["record", "candidate"])
+def test_replayed_steps_leave_the_key_watches_settled(tmp_path, kernels_use_references, switches, world):
+    """Once a stage's steps replay, nothing a replay does (the model's host state set back, the
+    optimizer's host half, the FP8 refresh) replaces a container the step and update keys' watches
+    follow, so their fingerprints cost a check per step, not a walk of the model."""
+    from speedrun.train.graphs import RerunCapture, StepGraphs
+
+    session = _session(tmp_path, switches, simulate_world=None if world == 1 else world)
+    session.graphs = graphs = StepGraphs(session.run_model, session.recipe, session.info.device, session.dtype,
+                                         capture_with=RerunCapture, ends_step=world == 1)
+    watches = [graphs._watch] + ([] if graphs.updates is None else [graphs.updates._watch])
+    try:
+        for _ in range(STEPS_UNTIL_UPDATE_REPLAY + 1):
+            session.step()
+        settled = [w.walks for w in watches]
+        replayed = graphs.stats.replayed_steps
+        for _ in range(4):
+            session.step()
+    finally:
+        session.close()
+    assert graphs.stats.replayed_steps == replayed + 4, graphs.summary()
+    assert [w.walks for w in watches] == settled
+
+
 def test_runs_sharing_a_capturer_share_its_pool(tmp_path, kernels_use_references):
     """Two runs given one capturer (the arms of a bench) capture into it, and each reports the
     shared pool's size; without one, a run makes its own on first capture."""

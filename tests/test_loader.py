@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 
 import numpy as np
@@ -185,6 +186,51 @@ def test_state_dict_resume(shards, prefetch):
         got = b.next_batch()
         assert torch.equal(got.inputs, want.inputs) and torch.equal(got.cu_seqlens, want.cu_seqlens)
     a.close(), b.close()
+
+
+@pytest.mark.parametrize("ahead", [2, 5])
+def test_batches_built_further_ahead_are_the_same_batches(shards, ahead):
+    """With several batches pending on the builder thread the stream is the one built on demand,
+    through shape changes (stage transitions), a resume from a saved state (both discard what is
+    pending) and the wrap-around into a new epoch; a bad depth is refused."""
+    files, _ = shards
+
+    def take(loader, n):
+        return [(b.inputs.clone(), b.cu_seqlens.clone(), b.num_docs) for b in (loader.next_batch() for _ in range(n))]
+
+    def run(loader):
+        got = take(loader, 3)
+        loader.set_shape(96, 32, merge=2)
+        got += take(loader, 4)
+        state = loader.state_dict()
+        got += take(loader, 2)
+        loader.load_state_dict(state)  # back two batches, pending ones dropped
+        got += take(loader, 30)  # past the end of the data: a new epoch
+        loader.set_shape(128, 64)
+        return got + take(loader, 3)
+
+    with TrainLoader(files, 128, 64, world_size=2, rank=1, bos_id=BOS, prefetch=False) as plain:
+        want = run(plain)
+        assert plain.epochs_completed >= 1
+    with TrainLoader(files, 128, 64, world_size=2, rank=1, bos_id=BOS, prefetch=True,
+                     prefetch_batches=ahead) as deep:
+        on_demand = []  # batches the asking thread built itself: the first after each move only
+        produce = deep._produce
+
+        def counted(*a):
+            on_demand.append(threading.current_thread() is threading.main_thread())
+            return produce(*a)
+
+        deep._produce = counted
+        got = run(deep)
+        assert 0 < len(deep._pending) <= ahead
+    assert sum(on_demand) == 4, on_demand  # the first batch, two shape changes, the resume
+    assert len(got) == len(want)
+    for (gi, gc, gn), (wi, wc, wn) in zip(got, want):
+        assert torch.equal(gi, wi) and torch.equal(gc, wc) and gn == wn
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="prefetch_batches"):
+            TrainLoader(files, 128, 64, bos_id=BOS, prefetch=False, prefetch_batches=bad)
 
 
 def test_state_dict_rejects_other_files(shards):

@@ -47,6 +47,7 @@ All arrays are built on the CPU with numpy; with a CUDA ``device`` they are pinn
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import math
@@ -321,25 +322,31 @@ class TrainLoader:
     micro-batch).  max_seq_len: document cap in tokens.  bos_id: the BOS token.  vocab_size: if
     given, every shard is checked to have ids < vocab_size.  max_docs: fixed ``cu_seqlens``
     length - 1 per chunk (default :func:`default_max_docs`).  merge: chunks per batch (see the
-    module doc); batches then hold ``merge * T`` tokens.  prefetch: build the next batch and load
-    the next shard on background threads.  device: where batches are returned.  bigram_mod: if
-    given, batches carry ``bigram_hash(inputs, bigram_mod)``.
+    module doc); batches then hold ``merge * T`` tokens.  prefetch: build the next batches and load
+    the next shard on background threads.  prefetch_batches: how many batches to build ahead (a
+    training step's micro-batch count: a step then takes its batches ready-made, the thread having
+    built them while the main thread waited on the GPU, instead of one at a time as it asks).
+    device: where batches are returned.  bigram_mod: if given, batches carry
+    ``bigram_hash(inputs, bigram_mod)``.
     """
 
     def __init__(self, files: list[Path], tokens_per_rank: int, max_seq_len: int, *, rank: int = 0,
                  world_size: int = 1, bos_id: int, vocab_size: int | None = None, max_docs: int | None = None,
                  prefetch: bool = True, device: str | torch.device = "cpu", bigram_mod: int | None = None,
-                 merge: int = 1):
+                 merge: int = 1, prefetch_batches: int = 1):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if bigram_mod is not None and bigram_mod <= 0:
             raise ValueError(f"bigram_mod must be positive, got {bigram_mod}")
+        if isinstance(prefetch_batches, bool) or not isinstance(prefetch_batches, int) or prefetch_batches < 1:
+            raise ValueError(f"prefetch_batches must be a positive int, got {prefetch_batches!r}")
         self.files = _check_files(files, "training")
         self.rank, self.world_size = rank, world_size
         self.bos_id, self.vocab_size = int(bos_id), vocab_size
         self.device = torch.device(device)
         self.bigram_mod = bigram_mod
         self.prefetch = prefetch
+        self.prefetch_batches = prefetch_batches
         self.merged_batches = 0  # batches whose documents had to be merged to fit max_docs
         self.epochs_completed = 0
         self._warned_cycle = False
@@ -347,7 +354,8 @@ class TrainLoader:
         self._store = _ShardStore(self.files, self.bos_id, vocab_size, background=prefetch)
         self._store.get(0)  # fail now on a bad first shard, not at the first step
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="speedrun-batch") if prefetch else None
-        self._pending: tuple[tuple, concurrent.futures.Future] | None = None
+        # batches being built, in stream order: (shape, future of (start position, _produce's result))
+        self._pending: collections.deque[tuple[tuple, concurrent.futures.Future]] = collections.deque()
         self._pos = _Pos(0, 0, 0)
         self.set_shape(tokens_per_rank, max_seq_len, max_docs, merge)
 
@@ -409,19 +417,20 @@ class TrainLoader:
 
     def next_batch(self) -> Batch:
         """The next micro-batch of this rank; advances the stream by ``world_size * merge`` chunks."""
-        key = (self._pos, self.tokens_per_rank, self.max_seq_len, self.max_docs, self.merge)
-        if self._pending is not None and self._pending[0] == key:
-            fut = self._pending[1]
-            self._pending = None
-            host, num_docs, next_pos, merged, cycled = fut.result()
-        else:
+        shape = (self.tokens_per_rank, self.max_seq_len, self.max_docs, self.merge)
+        made = None
+        if self._pending and self._pending[0][0] == shape:
+            start, made = self._pending.popleft()[1].result()
+            if start != self._pos:  # not where the stream is (cannot happen: moves discard)
+                made = None
+        if made is None:
             self._discard_pending()
-            host, num_docs, next_pos, merged, cycled = self._produce(*key)
+            made = self._produce(self._pos, *shape)
+        host, num_docs, next_pos, merged, cycled = made
         self._pos = next_pos
         self._note(merged, cycled)
         if self._pool is not None:
-            nkey = (self._pos, self.tokens_per_rank, self.max_seq_len, self.max_docs, self.merge)
-            self._pending = (nkey, self._pool.submit(self._produce, *nkey))
+            self._build_ahead(shape)
         return _to_batch(host, num_docs, self.max_seq_len, self.device)
 
     def __iter__(self) -> Iterator[Batch]:
@@ -444,10 +453,27 @@ class TrainLoader:
 
     # -- internals --------------------------------------------------------------------------------
 
+    def _build_ahead(self, shape: tuple) -> None:
+        """Queue batches on the builder thread until ``prefetch_batches`` are pending.  Each one
+        starts where the one before it ends, which the thread knows by the time it gets there
+        (it builds them in order)."""
+        while len(self._pending) < self.prefetch_batches:
+            before = self._pending[-1][1] if self._pending else None
+            self._pending.append((shape, self._pool.submit(self._produce_after, before, self._pos, shape)))
+
+    def _produce_after(self, before: concurrent.futures.Future | None, pos: _Pos, shape: tuple):
+        """(start, :meth:`_produce`'s result) of the batch after ``before``'s (at ``pos`` if None)."""
+        if before is not None:
+            pos = before.result()[1][2]
+        return pos, self._produce(pos, *shape)
+
     def _discard_pending(self) -> None:
-        if self._pending is not None:
-            fut = self._pending[1]
-            self._pending = None
+        pending, self._pending = self._pending, collections.deque()
+        for _, fut in pending:
+            fut.cancel()
+        for _, fut in pending:
+            if fut.cancelled():
+                continue
             try:
                 fut.result()  # a few ms at most; errors resurface when the batch is really needed
             except Exception:

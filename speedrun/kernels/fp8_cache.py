@@ -631,8 +631,16 @@ class InputScaling:
                 "_step_scales": dict(self._step_scales)}
 
     def set_host_state(self, state: dict) -> None:
+        # containers are refilled in place, not replaced: a replayed step sets this state every
+        # step, and a new container would look like a structural change to the step key's watch
+        # (speedrun.train.addresses), which then walks the whole model again
         for name, value in state.items():
-            setattr(self, name, value.copy() if isinstance(value, (set, dict)) else value)
+            current = getattr(self, name)
+            if isinstance(value, (set, dict)) and type(current) is type(value):
+                current.clear()
+                current.update(value)
+            else:
+                setattr(self, name, value.copy() if isinstance(value, (set, dict)) else value)
 
     def state_dict(self) -> dict:
         """Every field (a subclass's too), tensors detached and cloned: a checkpoint's view."""

@@ -156,7 +156,9 @@ class EmbeddingGradAccumulator:
         return self._pending, dict(self._by_name)
 
     def set_host_state(self, state: tuple[bool, dict]) -> None:
-        self._pending, self._by_name = state[0], dict(state[1])
+        self._pending = state[0]
+        self._by_name.clear()  # in place, as InputScaling.set_host_state refills its containers
+        self._by_name.update(state[1])
 
     @torch.no_grad()
     def flush(self) -> None:

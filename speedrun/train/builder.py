@@ -247,7 +247,8 @@ class Run:
         return TrainLoader(self.train_files, plan.chunk, s.max_seq_len, rank=info.rank,
                            world_size=info.world_size, bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size,
                            max_docs=cfg.train.max_docs or None, device=info.device,
-                           bigram_mod=self.model.bigram_mod, merge=plan.merge)
+                           bigram_mod=self.model.bigram_mod, merge=plan.merge,
+                           prefetch_batches=max(p.count for p in self.plans))
 
     def set_loader_shape(self, loader, stage_index: int) -> None:
         """Switch ``loader`` to stage ``stage_index``'s shapes, where it is in the data."""

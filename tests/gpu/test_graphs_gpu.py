@@ -158,7 +158,8 @@ def test_a_replayed_step_launches_no_kernel_outside_its_graphs_but_the_known_tai
 @pytest.mark.parametrize("arm", ["record", "candidate"])
 def test_record_shape_graphs_pass_their_self_check(webmix_dir, arm):
     """The presets at stage-1 shapes (8 micro-batches of 16,384 tokens): both step keys and both
-    update keys captured, each replay equal to the eager run within the check's tolerance."""
+    update keys captured, each replay equal to the eager run within the check's tolerance, and
+    the replayed steps cost the keys' address watches no walk."""
     from speedrun import distributed
     from speedrun.evidence.bench import build_session
 
@@ -167,12 +168,17 @@ def test_record_shape_graphs_pass_their_self_check(webmix_dir, arm):
                           f"data.val_files={webmix_dir}/webmix_val_*.bin", "train.max_docs=256",
                           "train.cuda_graphs=on", "train.cuda_graph_optimizer=true"])
     session = build_session(arm, cfg, 0, distributed.setup(cfg.train.device))
+    watches = [session.graphs._watch, session.graphs.updates._watch]
     try:
-        for _ in range(STEPS_UNTIL_UPDATE_REPLAY + 2):
+        for _ in range(STEPS_UNTIL_UPDATE_REPLAY):
+            session.step()
+        walks = [w.walks for w in watches]
+        for _ in range(2):  # both keys of the loop and of the update replay
             session.step()
     finally:
         session.close()
     summary = session.graphs.summary()
     assert summary["captures"] == 2 and summary["replayed_steps"] == 4, summary
     assert summary["update_captures"] == 2 and summary["replayed_updates"] == 2, summary
+    assert [w.walks for w in watches] == walks  # replays leave the keys' watches settled: no walk
     assert summary["check_worst_rel_err"] <= CHECK_TOLERANCE, summary
