@@ -296,6 +296,46 @@ def test_graph_bookkeeping_takes_the_eager_steps(tmp_path, kernels_use_reference
     assert summary["eager_updates"] + summary["replayed_updates"] + summary["update_captures"] == 9, summary
 
 
+def test_static_inputs_take_a_packed_batch_in_one_copy(tmp_path, kernels_use_references):
+    """The loader's batches are one buffer each: a step's static micro-batches are refilled by
+    copying that buffer (each field then equals the fetched batch's), and a batch made field by
+    field is still copied field by field."""
+    import dataclasses
+    import types
+
+    from speedrun.train.graphs import RerunCapture, StepGraphs, _batch_shape
+
+    session = _session(tmp_path, RECORD)
+    try:
+        graphs = StepGraphs(session.run_model, session.recipe, session.info.device, session.dtype,
+                            capture_with=RerunCapture)
+        batches = [session.loader.next_batch() for _ in range(2)]
+        key = types.SimpleNamespace(shapes=_batch_shape(batches[0]), count=2)
+        static = graphs._static_inputs(batches, key)
+        copies = []
+        for dst in static:
+            dst.packed.fill_(-1)
+            real = dst.packed.copy_
+            dst.packed.copy_ = lambda src, _real=real, **kw: (copies.append(src), _real(src, **kw))[1]
+        fresh = [session.loader.next_batch() for _ in range(2)]
+        assert graphs._static_inputs(fresh, key) is static
+        assert [id(c) for c in copies] == [id(b.packed) for b in fresh]
+
+        def assert_holds(want_batches):
+            for got, want in zip(static, want_batches):
+                for f in ("inputs", "targets", "cu_seqlens", "bigram"):
+                    if getattr(want, f) is not None:
+                        assert torch.equal(getattr(got, f), getattr(want, f)), f
+
+        assert_holds(fresh)
+        loose = [dataclasses.replace(b, packed=None) for b in (session.loader.next_batch(), session.loader.next_batch())]
+        graphs._static_inputs(loose, key)
+        assert len(copies) == 2  # field by field
+        assert_holds(loose)
+    finally:
+        session.close()
+
+
 @pytest.mark.parametrize("world", [1, 8], ids=["one-rank", "rank-of-8"])
 @pytest.mark.parametrize("switches", [RECORD, CANDIDATE], ids=["record", "candidate"])
 def test_replayed_steps_leave_the_key_watches_settled(tmp_path, kernels_use_references, switches, world):

@@ -14,6 +14,7 @@ from speedrun.data.loader import (
     TrainLoader,
     ValLoader,
     _fit_segments,
+    batch_in,
     bigram_hash,
     default_max_docs,
     default_val_max_docs,
@@ -339,6 +340,41 @@ def test_batches_carry_bigram(shards):
     assert b.bigram_host is b.bigram  # a CPU batch's ids are on the host already
     plain = TrainLoader(files, 64, 32, bos_id=BOS, prefetch=False).next_batch()
     assert plain.bigram is None and plain.bigram_host is None
+
+
+@pytest.mark.parametrize("bigram_mod", [None, 97])
+@pytest.mark.parametrize("merge", [1, 3])
+def test_a_batch_is_one_buffer_and_moves_with_one_copy(shards, merge, bigram_mod):
+    """Every tensor of a batch (training and validation) is a view of its one int32 buffer
+    (``packed``), each on a 16-byte boundary, none overlapping another; ``batch_in`` lays another
+    buffer out the same way, so copying ``packed`` alone carries a whole batch (what a CUDA graph's
+    static inputs take), and a buffer of another shape is refused."""
+    files, _ = shards
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        loader = TrainLoader(files, 60, 32, bos_id=BOS, bigram_mod=bigram_mod, merge=merge, prefetch=False)
+        batches = [loader.next_batch() for _ in range(3)]
+    batches.append(ValLoader(files, 254, 64, bos_id=BOS, bigram_mod=bigram_mod).batch(1))
+    names = ("inputs", "targets", "cu_seqlens", "bigram")
+    for b in batches:
+        fields = [getattr(b, n) for n in names if getattr(b, n) is not None]
+        assert len(fields) == (4 if bigram_mod else 3)
+        base, end = b.packed.data_ptr(), b.packed.data_ptr() + b.packed.nbytes
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in fields)
+        assert all(base <= lo and hi <= end and (lo - base) % 16 == 0 for lo, hi in spans)
+        assert all(hi <= lo2 for (_, hi), (lo2, _) in zip(spans, spans[1:]))
+        assert all(t.untyped_storage().data_ptr() == b.packed.untyped_storage().data_ptr() for t in fields)
+        static = batch_in(torch.full_like(b.packed, -7), b)
+        assert static.packed is not b.packed and static.bigram_host is None
+        static.packed.copy_(b.packed)
+        for n in names:
+            want, got = getattr(b, n), getattr(static, n)
+            assert (got is None) == (want is None)
+            if want is not None:
+                assert got.dtype == want.dtype and torch.equal(got, want)
+                assert got.untyped_storage().data_ptr() == static.packed.untyped_storage().data_ptr()
+        with pytest.raises(ValueError, match="packed shape"):
+            batch_in(torch.zeros(b.packed.numel() + 4, dtype=torch.int32), b)
 
 
 @pytest.mark.parametrize("merge", [1, 3])

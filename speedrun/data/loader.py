@@ -41,14 +41,15 @@ stream (the files concatenated): step ``s`` covers ``[s*T*W, (s+1)*T*W)`` and ra
 ``[s*T*W + r*T, ... + T)`` plus one token for the last target.  Documents are whole (no length
 cap), cut only at batch edges; ``cu_seqlens`` are the BOS positions and ``max_seqlen = T``.
 
-All arrays are built on the CPU with numpy; with a CUDA ``device`` they are pinned and copied with
-``non_blocking=True``.
+All arrays are built on the CPU with numpy, into one buffer per batch (the tensors are views of it:
+``Batch.packed``); with a CUDA ``device`` it is pinned and copied with ``non_blocking=True``.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import threading
@@ -82,6 +83,8 @@ class Batch:
     ``bigram`` itself for a CPU one), None with ``bigram``.  The loader builds the ids there
     before moving them, so keeping them costs nothing; the rows each micro-batch touches are
     marked from them for the sparse bigram exchange without reading the device.
+    packed: the one (W,) int32 buffer the four tensors above are views of (on their device), so a
+    batch moves with one copy (None for a batch made otherwise); see :func:`batch_in`.
     """
 
     inputs: torch.Tensor
@@ -91,6 +94,7 @@ class Batch:
     num_docs: int
     bigram: torch.Tensor | None = None
     bigram_host: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
 
 
 def min_max_docs(tokens_per_rank: int, max_seq_len: int) -> int:
@@ -175,35 +179,80 @@ def _fit_segments(bounds: np.ndarray, max_docs: int, cap: int) -> np.ndarray:
     return out
 
 
-def _host_arrays(chunks: list[np.ndarray], bounds: list[np.ndarray], max_docs: int, bigram_mod: int | None,
-                 pin: bool) -> dict[str, torch.Tensor | None]:
-    """CPU tensors of a batch of ``m = len(chunks)`` chunks laid end to end (pinned if ``pin``).
-    chunks: (T+1,) uint16 tokens each; bounds: each chunk's (n+1,) segment edges in [0, T] after
-    fitting to ``max_docs``; ``cu_seqlens`` gets ``m * max_docs + 1`` entries."""
-    T = len(chunks[0]) - 1
-    m = len(chunks)
-    starts = np.concatenate([b[:-1] + j * T for j, b in enumerate(bounds)])
-    cu = np.full(m * max_docs + 1, m * T, dtype=np.int32)
-    cu[: len(starts)] = starts
-    arrays = {
-        "inputs": np.concatenate([c[:-1] for c in chunks]).astype(np.int32),
-        "targets": np.concatenate([c[1:] for c in chunks]).astype(np.int64),
-        "cu_seqlens": cu,
-        "bigram": None if bigram_mod is None else np.concatenate([_bigram_np(c[:-1], bigram_mod) for c in chunks]),
-    }
-    out = {k: None if a is None else torch.from_numpy(a) for k, a in arrays.items()}
-    if pin:
-        out = {k: None if t is None else t.pin_memory() for k, t in out.items()}
+# A batch's tensors lie in one int32 buffer (targets as int64 words, then inputs, cu_seqlens and
+# the bigram ids), each starting on a 16-byte boundary: one pinned allocation and one host-to-device
+# copy per batch instead of one per tensor, and a graph's static inputs refilled by one copy too.
+_ALIGN_WORDS = 4
+
+
+def _packed_layout(n_tokens: int, n_cu: int, bigram: bool) -> tuple[dict[str, tuple[int, int]], int]:
+    """({field: (first int32 word, words)}, total words) of a packed batch."""
+    layout, at = {}, 0
+    for name, words in (("targets", 2 * n_tokens), ("inputs", n_tokens), ("cu_seqlens", n_cu),
+                        ("bigram", n_tokens if bigram else 0)):
+        if words:
+            layout[name] = (at, words)
+            at += -(-words // _ALIGN_WORDS) * _ALIGN_WORDS
+    return layout, at
+
+
+def _views(buffer: torch.Tensor, layout: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor | None]:
+    out = {name: None for name in ("inputs", "targets", "cu_seqlens", "bigram")}
+    for name, (at, words) in layout.items():
+        view = buffer[at:at + words]
+        out[name] = view.view(torch.int64) if name == "targets" else view
     return out
 
 
-def _to_batch(host: dict[str, torch.Tensor | None], num_docs: int, max_seqlen: int, device: torch.device) -> Batch:
-    out = host
+def _host_arrays(chunks: list[np.ndarray], bounds: list[np.ndarray], max_docs: int, bigram_mod: int | None,
+                 pin: bool) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+    """The packed CPU buffer (pinned if ``pin``) of a batch of ``m = len(chunks)`` chunks laid end
+    to end, and its layout (:func:`_packed_layout`).  chunks: (T+1,) uint16 tokens each; bounds:
+    each chunk's (n+1,) segment edges in [0, T] after fitting to ``max_docs``; ``cu_seqlens``
+    gets ``m * max_docs + 1`` entries."""
+    T = len(chunks[0]) - 1
+    m = len(chunks)
+    layout, words = _packed_layout(m * T, m * max_docs + 1, bigram_mod is not None)
+    buffer = torch.empty(words, dtype=torch.int32, pin_memory=pin)
+    host = {k: None if t is None else t.numpy() for k, t in _views(buffer, layout).items()}
+    starts = np.concatenate([b[:-1] + j * T for j, b in enumerate(bounds)])
+    host["cu_seqlens"][:] = m * T
+    host["cu_seqlens"][: len(starts)] = starts
+    for j, c in enumerate(chunks):
+        host["inputs"][j * T:(j + 1) * T] = c[:-1]
+        host["targets"][j * T:(j + 1) * T] = c[1:]
+        if bigram_mod is not None:
+            host["bigram"][j * T:(j + 1) * T] = _bigram_np(c[:-1], bigram_mod)
+    return buffer, layout
+
+
+def _to_batch(host: tuple[torch.Tensor, dict[str, tuple[int, int]]], num_docs: int, max_seqlen: int,
+              device: torch.device) -> Batch:
+    buffer, layout = host
+    packed = buffer
     if device.type != "cpu":
-        nb = device.type == "cuda"  # host tensors are pinned then
-        out = {k: None if t is None else t.to(device, non_blocking=nb) for k, t in host.items()}
+        packed = buffer.to(device, non_blocking=device.type == "cuda")  # pinned then
+    out = _views(packed, layout)
+    host_bigram = out["bigram"] if packed is buffer else _views(buffer, layout)["bigram"]
     return Batch(out["inputs"], out["targets"], out["cu_seqlens"], int(max_seqlen), int(num_docs), out["bigram"],
-                 bigram_host=host["bigram"])
+                 bigram_host=host_bigram, packed=packed)
+
+
+def batch_in(buffer: torch.Tensor, like: Batch) -> Batch:
+    """A batch shaped as ``like`` (a packed one) whose tensors are views of ``buffer`` (shaped as
+    ``like.packed``) at the same places; no host copy of the bigram ids.  What a CUDA graph's
+    static micro-batch is: one copy of another batch's ``packed`` refills all of it."""
+    if like.packed is None or buffer.shape != like.packed.shape or buffer.dtype != like.packed.dtype:
+        raise ValueError("batch_in: needs a packed batch and a buffer of its packed shape and dtype")
+    base = like.packed.data_ptr()
+    fields = {}
+    for name in ("inputs", "targets", "cu_seqlens", "bigram"):
+        t = getattr(like, name)
+        if t is not None:
+            at, words = (t.data_ptr() - base) // 4, t.numel() * t.element_size() // 4
+            t = buffer[at:at + words].view(t.dtype)
+        fields[name] = t
+    return dataclasses.replace(like, **fields, bigram_host=None, packed=buffer)
 
 
 def _check_files(files, what: str) -> list[Path]:

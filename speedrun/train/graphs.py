@@ -55,6 +55,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from speedrun.config import CUDA_GRAPHS_CHOICES
+from speedrun.data.loader import batch_in
 from speedrun.errors import ConfigError, SpeedrunError
 from speedrun.kernels.step_values import StepValues
 from speedrun.model.interface import ForwardArgs
@@ -428,6 +429,10 @@ class StepGraphs:
         if static is None:
             static = self._inputs[slot] = [_empty_like_batch(b) for b in batches]
         for dst, src in zip(static, batches):
+            packed, into = getattr(src, "packed", None), getattr(dst, "packed", None)
+            if packed is not None and into is not None and packed.shape == into.shape:
+                into.copy_(packed, non_blocking=True)  # the loader's batches: one buffer, same layout
+                continue
             for f in ("inputs", "targets", "cu_seqlens", "bigram"):
                 t = getattr(src, f, None)
                 if t is not None:
@@ -630,6 +635,8 @@ def _empty_like_batch(batch):
     would be the first batch's forever)."""
     import dataclasses
 
+    if getattr(batch, "packed", None) is not None:
+        return batch_in(torch.empty_like(batch.packed), batch)
     fields = {f: (None if getattr(batch, f, None) is None else torch.empty_like(getattr(batch, f)))
               for f in ("inputs", "targets", "cu_seqlens", "bigram")}
     if hasattr(batch, "bigram_host"):
