@@ -46,8 +46,25 @@ def test_summary_takes_medians_per_phase():
     assert s["steps"] == 3 and s["host_ms"] == pytest.approx(12.0)
     assert s["phases"]["forward"] == pytest.approx({"host_ms": 7.0, "gpu_ms": 9.0, "lead_min_ms": 0.5})
     assert s["phases"]["data"] == {"host_ms": 1.0, "gpu_ms": None, "lead_min_ms": None}
+    assert "micro_batch_host_ms" not in s
     with pytest.raises(ValueError):
         summarize_traces([])
+
+
+def test_summary_gives_the_host_time_per_micro_batch():
+    """The micro-batch phases of each step (eager or replayed), summed, median over steps, over
+    the step's micro-batch count; the once-per-step phases are not in it."""
+    eager = StepTrace(40.0, {"setup": PhaseTiming(3.0), "data": PhaseTiming(2.0, count=4),
+                             "forward": PhaseTiming(10.0, count=4), "backward": PhaseTiming(6.0, count=4),
+                             "after_backward": PhaseTiming(2.0, count=4), "optimizer": PhaseTiming(9.0)})
+    replayed = StepTrace(20.0, {"setup": PhaseTiming(3.0), "data": PhaseTiming(1.0), "graph_key": PhaseTiming(0.5),
+                                "graph_inputs": PhaseTiming(0.25), "graph_replay": PhaseTiming(0.25),
+                                "fp8_refresh": PhaseTiming(5.0)})
+    assert summarize_traces([eager], micro_batches=4)["micro_batch_host_ms"] == pytest.approx(20.0 / 4)
+    s = summarize_traces([replayed, replayed, eager], micro_batches=4)
+    assert s["micro_batch_host_ms"] == pytest.approx(2.0 / 4) and s["micro_batches"] == 4
+    with pytest.raises(ValueError, match="micro_batches"):
+        summarize_traces([eager], micro_batches=0)
 
 
 def _sync_here():
@@ -103,11 +120,12 @@ def test_bench_step_host_side_on_tiny_arms(tmp_path, capsys):
         args += ["--set", s]
     assert main(args) == 0
     text = capsys.readouterr().out
-    assert "host side" in text and "forward" in text and "(whole step)" in text
+    assert "host side" in text and "forward" in text and "(whole step)" in text and "(per micro-b.)" in text
     res = json.loads(out.read_text())
     for arm in res["arms"]:
         h = arm["host"]
         assert h["steps"] == 2 and set(h["phases"]) <= set(STEP_PHASES)
+        assert h["micro_batches"] >= 1 and 0 < h["micro_batch_host_ms"] * h["micro_batches"] <= h["host_ms"]
         assert {"setup", "data", "forward", "backward", "optimizer"} <= set(h["phases"])
         assert all(p["gpu_ms"] is None and p["host_ms"] >= 0 for p in h["phases"].values())  # no GPU
         assert 0 < sum(p["host_ms"] for p in h["phases"].values()) <= h["host_ms"] + 1e-6

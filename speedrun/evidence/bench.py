@@ -474,8 +474,10 @@ def _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, inf
             if c == chains[0]:  # the arm's host-side extras, once
                 if s.host_steps:
                     from speedrun.evidence.host import summarize_traces
+                    from speedrun.train.loop import micro_batching
 
-                    entry["host"] = summarize_traces(s.host_steps)
+                    count = micro_batching(s.stage, s.cfg, s.info.world_size).count
+                    entry["host"] = summarize_traces(s.host_steps, micro_batches=count)
                 if s.syncs is not None:
                     entry["syncs"] = s.syncs
                 if s.graphs is not None:  # captures, replays and self-check errors (train.cuda_graphs)
@@ -651,6 +653,9 @@ def _render_host(result: dict[str, Any]) -> list[str]:
             for phase, t in h["phases"].items():
                 lines.append(f"{a['name']:<16} {phase:<15} {fmt(t['host_ms'])} {fmt(t['gpu_ms'])} {fmt(t['lead_min_ms'])}")
             lines.append(f"{a['name']:<16} {'(whole step)':<15} {fmt(h['host_ms'])} {fmt(a['median_ms'])} {'':>9}")
+            if "micro_batch_host_ms" in h:  # data and the loop's phases over the step's micro-batches
+                lines.append(f"{a['name']:<16} {'(per micro-b.)':<15} {fmt(h['micro_batch_host_ms'])} {'':>9} {'':>9}"
+                             f"  ({h['micro_batches']} per step)")
     scanned = [a for a in result["arms"] if "syncs" in a]
     if scanned:
         lines += ["", "synchronising calls in one step (torch.cuda sync debug mode):"]

@@ -124,11 +124,21 @@ def trace_step(step: Callable[..., Any], device: torch.device) -> StepTrace:
     return StepTrace((t1 - t0) * 1000.0, rec.timings())
 
 
-def summarize_traces(traces: Sequence[StepTrace]) -> dict[str, Any]:
+# The phases of a step that belong to its micro-batches (speedrun.train.loop.run_step): fetching
+# them and issuing their forward and backward, eagerly or as a replayed graph (key, input copies,
+# launch).  The rest of a step (setup, step end, reduction, optimizer, FP8 refresh) is once per step.
+MICRO_BATCH_PHASES = ("data", "forward", "backward", "after_backward", "graph_key", "graph_inputs", "graph_replay")
+
+
+def summarize_traces(traces: Sequence[StepTrace], micro_batches: int | None = None) -> dict[str, Any]:
     """Medians over traced steps: ``host_ms`` (the whole call) and per phase ``host_ms``,
-    ``gpu_ms``, ``lead_min_ms`` (None where not measured), plus ``steps``."""
+    ``gpu_ms``, ``lead_min_ms`` (None where not measured), plus ``steps``.  With
+    ``micro_batches`` (per step) also ``micro_batch_host_ms``: the host time of a step's
+    :data:`MICRO_BATCH_PHASES` over that count, the issue time per micro-batch."""
     if not traces:
         raise ValueError("no traced steps")
+    if micro_batches is not None and micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     names: list[str] = []
     for t in traces:
         names += [n for n in t.phases if n not in names]
@@ -138,12 +148,17 @@ def summarize_traces(traces: Sequence[StepTrace]) -> dict[str, Any]:
         vals = [v for v in vals if v is not None]
         return float(np.median(vals)) if vals else None
 
-    return {
+    out = {
         "steps": len(traces),
         "host_ms": float(np.median([t.host_ms for t in traces])),
         "phases": {n: {"host_ms": med(n, "host_ms"), "gpu_ms": med(n, "gpu_ms"), "lead_min_ms": med(n, "lead_min_ms")}
                    for n in names},
     }
+    if micro_batches is not None:
+        per_step = [sum(p.host_ms for n, p in t.phases.items() if n in MICRO_BATCH_PHASES) for t in traces]
+        out["micro_batches"] = micro_batches
+        out["micro_batch_host_ms"] = float(np.median(per_step)) / micro_batches
+    return out
 
 
 def _frame_text(f: traceback.FrameSummary) -> str:
