@@ -134,7 +134,9 @@ def summarize_traces(traces: Sequence[StepTrace], micro_batches: int | None = No
     """Medians over traced steps: ``host_ms`` (the whole call) and per phase ``host_ms``,
     ``gpu_ms``, ``lead_min_ms`` (None where not measured), plus ``steps``.  With
     ``micro_batches`` (per step) also ``micro_batch_host_ms``: the host time of a step's
-    :data:`MICRO_BATCH_PHASES` over that count, the issue time per micro-batch."""
+    :data:`MICRO_BATCH_PHASES` over that count, the issue time per micro-batch.  Like every host
+    time here it is an upper bound where the GPU trails far behind: a graph of many micro-batches
+    fills the driver's launch queue, and its launch then waits for the GPU (a large lead)."""
     if not traces:
         raise ValueError("no traced steps")
     if micro_batches is not None and micro_batches < 1:
