@@ -513,7 +513,7 @@ class TrainLoader:
     def _produce_after(self, before: concurrent.futures.Future | None, pos: _Pos, shape: tuple):
         """(start, :meth:`_produce`'s result) of the batch after ``before``'s (at ``pos`` if None)."""
         if before is not None:
-            pos = before.result()[1][2]
+            _, (_, _, pos, _, _) = before.result()  # where the batch before ends
         return pos, self._produce(pos, *shape)
 
     def _discard_pending(self) -> None:
