@@ -48,6 +48,22 @@ def test_host_bench_without_a_gpu_says_so(capsys, monkeypatch):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_replay_host_bench_traces_replayed_steps_without_a_walk(capsys, use_builtin_cache, kernels_use_references):
+    """bench_replay_host runs a preset's steps through StepGraphs with a replay that launches
+    nothing, and reports per-micro-batch host time from replayed steps only (it refuses to report
+    otherwise), with the key's watch settled: no walk over the traced steps."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_replay_host", [s for s in PY_BENCHES if s.name == "bench_replay_host.py"][0])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--arms", "record", "--world", "8", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "us per micro-batch (1 per step)" in out and "graph_key" in out and "key walks while traced 0" in out
+    assert mod.main(["--steps", "2"]) == 2
+
+
 @pytest.mark.parametrize("kind", ["plain", "paired", "long_key_offset", "value_residual"])
 def test_rotary_bench_arms_compute_the_same(kind):
     """bench_rotary's arms (the record's old sliced RoPE path, the elementwise one on sliced and on
