@@ -23,23 +23,15 @@ run their references on a CPU).  Compare figures only within one run of this scr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import tempfile
 
+from speedrun.train.graphs import RerunCapture
 
-class NoOpCapture:
-    """The capture of :class:`speedrun.train.graphs.StepGraphs` with no device: capturing runs the
-    function once (so the bookkeeping a capture leaves is there), and a replay runs nothing."""
 
-    def __init__(self, device):
-        self.device = device
-
-    def synchronize(self) -> None:
-        pass
-
-    def on_side_stream(self):
-        return contextlib.nullcontext()
+class NoOpCapture(RerunCapture):
+    """:class:`speedrun.train.graphs.RerunCapture` whose replays launch nothing: capturing still
+    runs the loop once (so the bookkeeping a capture leaves is there), a replay runs nothing."""
 
     def capture(self, fn):
         fn()
@@ -47,15 +39,6 @@ class NoOpCapture:
 
     def replay(self) -> None:
         pass
-
-    def peak_allocated(self) -> int:
-        return 0
-
-    def reset_peak(self) -> None:
-        pass
-
-    def pool_bytes(self) -> int:
-        return 0
 
 
 # arm -> (CPU preset, overrides): the record's FP8 switches on tiny-record (as the record preset

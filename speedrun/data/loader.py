@@ -233,7 +233,10 @@ def _to_batch(host: tuple[torch.Tensor, dict[str, tuple[int, int]]], num_docs: i
     if device.type != "cpu":
         packed = buffer.to(device, non_blocking=device.type == "cuda")  # pinned then
     out = _views(packed, layout)
-    host_bigram = out["bigram"] if packed is buffer else _views(buffer, layout)["bigram"]
+    host_bigram = out["bigram"]
+    if packed is not buffer and "bigram" in layout:  # the ids' host copy: the same place in the pinned buffer
+        at, words = layout["bigram"]
+        host_bigram = buffer[at:at + words]
     return Batch(out["inputs"], out["targets"], out["cu_seqlens"], int(max_seqlen), int(num_docs), out["bigram"],
                  bigram_host=host_bigram, packed=packed)
 
