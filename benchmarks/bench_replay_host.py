@@ -14,9 +14,12 @@ So the loop's kernels never run once the step replays, and every phase up to the
 host work.  The phases after it (``optimizer``, ``fp8_refresh``) run their kernels eagerly, as
 PyTorch references off a GPU: there they are compute, not host cost.  ``--world N`` runs rank 0
 of an N-GPU step (one micro-batch, collectives simulated), as ``bench step --as-rank-of N``.
+Between steps the host sleeps ``--gpu-wait-ms``: in training it waits there for the GPU to finish
+the step before (the loop reads that step's time and loss), and the loader builds the next
+batches in that wait (:meth:`speedrun.data.loader.TrainLoader.build_ahead`); 0 leaves no gap.
 
 Usage: ``python benchmarks/bench_replay_host.py [--arms record candidate] [--world 1 8]
-[--steps 30] [--batch-divisor 1024]``.  Run without ``TRITON_INTERPRET`` (the fused kernels then
+[--steps 30] [--batch-divisor 1024] [--gpu-wait-ms 20]``.  Run without ``TRITON_INTERPRET`` (the fused kernels then
 run their references on a CPU).  Compare figures only within one run of this script.
 """
 
@@ -49,8 +52,11 @@ ARMS = {
 }
 
 
-def measure(arm: str, world: int, steps: int, batch_divisor: int, out_dir: str) -> dict:
-    """Host phases (median us) of ``steps`` replayed steps of ``arm`` (:data:`ARMS`) at 11 layers."""
+def measure(arm: str, world: int, steps: int, batch_divisor: int, out_dir: str, gpu_wait_ms: float = 0.0) -> dict:
+    """Host phases (median us) of ``steps`` replayed steps of ``arm`` (:data:`ARMS`) at 11 layers,
+    the host idle for ``gpu_wait_ms`` after each step (the training loop's wait for the GPU)."""
+    import time
+
     from speedrun import distributed
     from speedrun.config import apply_overrides, preset
     from speedrun.evidence.bench import build_session
@@ -69,7 +75,10 @@ def measure(arm: str, world: int, steps: int, batch_divisor: int, out_dir: str) 
         for _ in range(graphs.steps_until_replay + 2):
             session.step()
         replayed, walks = graphs.stats.replayed_steps, graphs._watch.walks
-        traces = [trace_step(session.step, session.info.device) for _ in range(steps)]
+        traces = []
+        for _ in range(steps):
+            time.sleep(gpu_wait_ms / 1000.0)
+            traces.append(trace_step(session.step, session.info.device))
         if graphs.stats.replayed_steps != replayed + steps:
             raise RuntimeError(f"{arm}: not every traced step replayed ({graphs.summary()})")
         count = micro_batching(session.stage, session.cfg, session.info.world_size).count
@@ -86,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", nargs="+", type=int, default=[1, 8], help="1: one rank; N: rank 0 of N, simulated")
     p.add_argument("--steps", type=int, default=30, help="traced steps per arm and world")
     p.add_argument("--batch-divisor", type=int, default=1024, help="the preset's batches divided by this")
+    p.add_argument("--gpu-wait-ms", type=float, default=20.0,
+                   help="host idle after each step, standing in for the training loop's wait for the GPU")
     args = p.parse_args(argv)
-    if args.steps < 3 or any(w < 1 for w in args.world):
-        print("--steps must be >= 3 and every --world >= 1", file=sys.stderr)
+    if args.steps < 3 or any(w < 1 for w in args.world) or args.gpu_wait_ms < 0:
+        print("--steps must be >= 3, every --world >= 1 and --gpu-wait-ms >= 0", file=sys.stderr)
         return 2
     import torch
 
@@ -96,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.world:
             for arm in args.arms:
-                s = measure(arm, world, args.steps, args.batch_divisor, tmp)
+                s = measure(arm, world, args.steps, args.batch_divisor, tmp, args.gpu_wait_ms)
                 phases = "  ".join(f"{name} {t['host_ms'] * 1000:.0f}" for name, t in s["phases"].items())
                 print(f"{arm:<16} world {world}: {s['micro_batch_host_ms'] * 1000:7.0f} us per micro-batch "
                       f"({s['micro_batches']} per step), whole step {s['host_ms'] * 1000:.0f} us; "
                       f"key walks while traced {s['key_walks']}\n    {phases}")
-    print(f"(median host microseconds over {args.steps} replayed steps; torch {torch.__version__}, one thread; "
-          "compare within one run only)")
+    print(f"(median host microseconds over {args.steps} replayed steps, {args.gpu_wait_ms:g} ms idle before each; "
+          f"torch {torch.__version__}, one thread; compare within one run only)")
     return 0
 
 

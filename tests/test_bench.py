@@ -162,8 +162,9 @@ def test_step_memory_accounting_with_a_stand_in_meter(monkeypatch):
 
 
 def test_chained_samples_time_k_steps_back_to_back(monkeypatch):
-    """--chain K: one sample = K steps issued without a sync between them, reported as their
-    mean; the synchronisation happens once per sample (before it), not per step."""
+    """--chain K: one sample = K steps issued without a full sync between them, reported as their
+    mean; the device is synchronised once per sample (before it), and after issuing each step the
+    host waits only for the step before it, as the training loop does (StepLog keep=1)."""
     from types import SimpleNamespace
 
     from speedrun.evidence import bench
@@ -171,14 +172,17 @@ def test_chained_samples_time_k_steps_back_to_back(monkeypatch):
     log = []
 
     class FakeEvent:
+        made = 0
+
         def __init__(self, **kw):
-            pass
+            FakeEvent.made += 1
+            self.n = FakeEvent.made
 
         def record(self):
-            log.append("event")
+            log.append(f"record {self.n}")
 
         def synchronize(self):
-            pass
+            log.append(f"wait {self.n}")
 
         def elapsed_time(self, other):
             return 12.0
@@ -188,7 +192,9 @@ def test_chained_samples_time_k_steps_back_to_back(monkeypatch):
     sess = SimpleNamespace(info=SimpleNamespace(device=torch.device("cuda")), step=lambda: log.append("step"),
                            step_peak_bytes=0)
     assert bench.time_step(sess, chain=3) == 4.0
-    assert log == ["sync", "event", "step", "step", "step", "event"]
+    # events 1 and 2: the sample's start and end; 3, 4, 5: each step issued
+    assert log == ["sync", "record 1", "step", "record 3", "step", "record 4", "wait 3", "step", "record 5",
+                   "wait 4", "record 2", "wait 2"]
     log.clear()
     assert bench.time_step(sess) == 12.0 and log.count("step") == 1
     cpu = SimpleNamespace(info=SimpleNamespace(device=torch.device("cpu")), step=lambda: log.append("cpu"))

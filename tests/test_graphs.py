@@ -8,6 +8,7 @@ need CUDA: ``tests/gpu/test_graphs_gpu.py``."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -399,7 +400,7 @@ def test_runs_sharing_a_capturer_share_its_pool(tmp_path, kernels_use_references
 
 def test_bigram_rows_are_marked_once_per_micro_batch_eager_or_replayed(tmp_path, kernels_use_references):
     """On several ranks (rank 0 of 2, simulated) the record recipe marks each micro-batch's bigram
-    rows for the sparse exchange on the host as the batch is fetched, from the loader's host copy:
+    rows for the sparse exchange on the host as the batch is fetched, from the loader's host mask:
     once per micro-batch and step whether the loop runs eagerly, is captured or is replayed (a
     mark inside the captured loop would run at capture time only, and several times there), and
     the graphs train as the eager loop does."""
@@ -415,7 +416,7 @@ def test_bigram_rows_are_marked_once_per_micro_batch_eager_or_replayed(tmp_path,
                                         capture_with=RerunCapture)
         opt, marks = session.optimizer, []
         real = opt.mark_rows
-        opt.mark_rows = lambda label, rows: marks.append((label, rows.clone())) or real(label, rows)
+        opt.mark_rows = lambda label, rows: marks.append((label, rows.copy())) or real(label, rows)
         count = micro_batching(session.stage, session.cfg, session.info.world_size).count
         per_step = []
         try:
@@ -426,16 +427,58 @@ def test_bigram_rows_are_marked_once_per_micro_batch_eager_or_replayed(tmp_path,
         finally:
             session.close()
         assert count > 1 and [n for n, _ in per_step] == [count] * steps, per_step
-        assert all(label == "bigram_embed" and rows.device.type == "cpu" for label, rows in marks)
+        assert all(label == "bigram_embed" and isinstance(rows, np.ndarray) and rows.dtype == np.bool_
+                   for label, rows in marks)
         assert opt.entries["bigram_embed"].comms == "sharded_sparse"
         runs.append((per_step, [rows for _, rows in marks], dict(session.model.state_dict())))
         if graphs:
             assert session.graphs.summary()["replayed_steps"] == steps - STEPS_UNTIL_REPLAY
     (eager_steps, eager_rows, eager_w), (graph_steps, graph_rows, graph_w) = runs
     assert graph_steps == eager_steps
-    assert all(torch.equal(a, b) for a, b in zip(eager_rows, graph_rows))
+    assert all(np.array_equal(a, b) for a, b in zip(eager_rows, graph_rows))
     for k in eager_w:
         assert torch.equal(eager_w[k], graph_w[k]), k
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_step_builds_no_batch_while_it_issues_work(tmp_path, kernels_use_references, graphs):
+    """The loader's builder thread would take the interpreter lock from the step's thread in
+    stretches, so a step queues the next step's batches only once all its own work is issued (the
+    loop then waits for the GPU): while a step runs nothing is being built, after it the next
+    step's batches are queued, and every step after the first takes them ready-made, eager or
+    replayed, on one rank (8 micro-batches) and on rank 0 of 8 (one)."""
+    import threading
+
+    from speedrun.train.graphs import RerunCapture, StepGraphs
+    from speedrun.train.loop import micro_batching
+
+    for world in (None, 8):
+        session = _session(tmp_path / f"{graphs}{world}", (*RECORD, "train.grad_accum=0"), simulate_world=world)
+        loader = session.loader
+        if graphs:
+            session.graphs = StepGraphs(session.run_model, session.recipe, session.info.device, session.dtype,
+                                        capture_with=RerunCapture, ends_step=world is None)
+        count = micro_batching(session.stage, session.cfg, session.info.world_size).count
+        assert count == (8 if world is None else 1)
+        built_here = []
+        produce = loader._produce
+
+        def counted(*a, _produce=produce):
+            built_here.append(threading.current_thread() is threading.main_thread())
+            return _produce(*a)
+
+        loader._produce = counted
+        try:
+            for step in range(STEPS_UNTIL_REPLAY + 2):
+                before, queued = len(built_here), []  # batches queued at each phase of the step
+                session.step(on_phase=lambda name, _loader=loader, _q=queued: _q.append(len(_loader._pending)))
+                assert queued == sorted(queued, reverse=True), (step, queued)  # taken, never added
+                assert len(loader._pending) == loader.prefetch_batches >= count, step
+                assert sum(built_here[before:]) == (count if step == 0 else 0), (step, built_here[before:])
+        finally:
+            session.close()
+        if graphs:
+            assert session.graphs.summary()["replayed_steps"] > 0
 
 
 def test_self_check_names_a_mismatch(tmp_path, kernels_use_references):

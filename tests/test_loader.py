@@ -181,6 +181,7 @@ def test_state_dict_resume(shards, prefetch):
     rest = [a.next_batch() for _ in range(10)]
     b = TrainLoader(files, 300, 64, world_size=2, rank=1, bos_id=BOS, prefetch=prefetch)
     b.next_batch()  # a different position, and a prefetched batch, to be discarded
+    b.build_ahead()
     b.load_state_dict(state)
     assert b.state_dict() == state
     for want in rest:
@@ -197,7 +198,12 @@ def test_batches_built_further_ahead_are_the_same_batches(shards, ahead):
     files, _ = shards
 
     def take(loader, n):
-        return [(b.inputs.clone(), b.cu_seqlens.clone(), b.num_docs) for b in (loader.next_batch() for _ in range(n))]
+        got = []
+        for _ in range(n):
+            b = loader.next_batch()
+            got.append((b.inputs.clone(), b.cu_seqlens.clone(), b.num_docs))
+            loader.build_ahead()  # as a training step does once its work is issued
+        return got
 
     def run(loader):
         got = take(loader, 3)
@@ -337,9 +343,11 @@ def test_batches_carry_bigram(shards):
     files, _ = shards
     b = TrainLoader(files, 64, 32, bos_id=BOS, bigram_mod=1000, prefetch=False).next_batch()
     assert torch.equal(b.bigram, bigram_hash(b.inputs, 1000))
-    assert b.bigram_host is b.bigram  # a CPU batch's ids are on the host already
+    assert b.bigram_rows is None  # masks only when asked (a run with the sparse exchange)
     plain = TrainLoader(files, 64, 32, bos_id=BOS, prefetch=False).next_batch()
-    assert plain.bigram is None and plain.bigram_host is None
+    assert plain.bigram is None and plain.bigram_rows is None
+    with pytest.raises(ValueError, match="needs bigram_mod"):
+        TrainLoader(files, 64, 32, bos_id=BOS, prefetch=False, bigram_rows=True)
 
 
 @pytest.mark.parametrize("bigram_mod", [None, 97])
@@ -365,7 +373,7 @@ def test_a_batch_is_one_buffer_and_moves_with_one_copy(shards, merge, bigram_mod
         assert all(hi <= lo2 for (_, hi), (lo2, _) in zip(spans, spans[1:]))
         assert all(t.untyped_storage().data_ptr() == b.packed.untyped_storage().data_ptr() for t in fields)
         static = batch_in(torch.full_like(b.packed, -7), b)
-        assert static.packed is not b.packed and static.bigram_host is None
+        assert static.packed is not b.packed and static.bigram_rows is None
         static.packed.copy_(b.packed)
         for n in names:
             want, got = getattr(b, n), getattr(static, n)
@@ -377,22 +385,30 @@ def test_a_batch_is_one_buffer_and_moves_with_one_copy(shards, merge, bigram_mod
             batch_in(torch.zeros(b.packed.numel() + 4, dtype=torch.int32), b)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("merge", [1, 3])
-def test_batches_keep_a_host_copy_of_the_bigram_ids(shards, merge):
-    """Batches moved to a device keep their bigram ids on the host as well ((T,) int32 CPU
-    tensors, the ids the device got), training and validation batches alike.  The meta device
-    stands in for a GPU: the tensors move there, so the values are compared with a CPU loader's."""
+def test_batches_carry_a_host_mask_of_their_bigram_rows(shards, merge, prefetch):
+    """Asked for (``bigram_rows=True``), every training batch carries on the host a bool mask of
+    the bigram-table rows (``mod + 1`` of them) its ids look up: exactly those, the ids the device
+    got, built here or on the builder thread alike.  The meta device stands in for a GPU: the
+    tensors move there, so the masks are compared with a CPU loader's ids."""
     files, _ = shards
-    kw = dict(bos_id=BOS, bigram_mod=97, merge=merge, prefetch=False)
+    mod = 97
+    kw = dict(bos_id=BOS, bigram_mod=mod, merge=merge)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        on_cpu, moved = TrainLoader(files, 64, 32, **kw), TrainLoader(files, 64, 32, device="meta", **kw)
-        pairs = [(on_cpu.next_batch(), moved.next_batch()) for _ in range(4)]
-    val = [ValLoader(files, 256, 64, bos_id=BOS, bigram_mod=97, device=d).batch(1) for d in ("cpu", "meta")]
-    for want, got in pairs + [tuple(val)]:
-        assert got.bigram.device.type == "meta" and got.bigram.shape == want.bigram.shape == (want.inputs.numel(),)
-        assert got.bigram_host.device.type == "cpu" and got.bigram_host.dtype == torch.int32
-        assert torch.equal(got.bigram_host, want.bigram)
+        with TrainLoader(files, 64, 32, prefetch=False, **kw) as on_cpu, \
+                TrainLoader(files, 64, 32, device="meta", prefetch=prefetch, bigram_rows=True, **kw) as moved:
+            pairs = []
+            for _ in range(6):
+                pairs.append((on_cpu.next_batch(), moved.next_batch()))
+                moved.build_ahead()
+    for want, got in pairs:
+        assert got.bigram.device.type == "meta" and got.bigram.shape == want.bigram.shape
+        rows = got.bigram_rows
+        assert isinstance(rows, np.ndarray) and rows.dtype == np.bool_ and rows.shape == (mod + 1,)
+        assert np.flatnonzero(rows).tolist() == sorted(set(want.bigram.tolist()))
+    assert ValLoader(files, 256, 64, bos_id=BOS, bigram_mod=mod, device="meta").batch(1).bigram_rows is None
 
 
 def test_val_loader(tmp_path):

@@ -265,7 +265,8 @@ def test_state_dict_roundtrip_and_reset():
 
 def test_mark_rows_keeps_host_marks_until_the_adam_step():
     """Rank 0 of 2 (simulated): marks from numpy arrays and CPU tensors of any integer dtype and
-    shape land in a host mask; a tensor elsewhere is refused (the meta device stands in for a GPU)
+    shape land in a host mask, and bool masks of the table's rows are OR-ed into it (one of
+    another length is refused); a tensor elsewhere is refused (the meta device stands in for a GPU)
     at any world size; tables not exchanged sparsely, and every table on one rank, keep no marks;
     the marks survive an even step, are cleared by the Adam step and round-trip through
     state_dict as CPU bool tensors (an older checkpoint's bool tensor loads as a fresh host mask)."""
@@ -280,6 +281,16 @@ def test_mark_rows_keeps_host_marks_until_the_adam_step():
     assert np.flatnonzero(opt._touched["bigram"]).tolist() == [0, 5, 7]
     with pytest.raises(ValueError, match="must be on the host"):
         opt.mark_rows("bigram", torch.tensor([1], device="meta"))
+    n = params["bigram"].shape[0]
+    mask = np.zeros(n, dtype=np.bool_)
+    mask[[2, 5]] = True
+    opt.mark_rows("bigram", mask)  # a mask is OR-ed in: the marks before it stay
+    opt.mark_rows("bigram", torch.from_numpy(mask))
+    assert np.flatnonzero(opt._touched["bigram"]).tolist() == [0, 2, 5, 7]
+    with pytest.raises(ValueError, match="one entry per row"):
+        opt.mark_rows("bigram", np.ones(n + 1, dtype=np.bool_))
+    opt.reset()
+    opt.mark_rows("bigram", np.array([0, 5, 7]))
 
     sd = copy.deepcopy(opt.state_dict())
     assert sd["touched"]["bigram"].dtype == torch.bool and sd["touched"]["bigram"].device.type == "cpu"

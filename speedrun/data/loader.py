@@ -79,10 +79,11 @@ class Batch:
     ``inputs[i]``.  cu_seqlens: (max_docs + 1,) int32 segment starts in [0, T), then T, padded
     with T.  max_seqlen: upper bound on a segment length (tokens).  num_docs: real segments
     (unpadded ``len(cu_seqlens) - 1``).  bigram: (T,) int32 bigram-hash ids or None.
-    bigram_host: the same ids on the host, a (T,) int32 CPU tensor (pinned for a CUDA batch,
-    ``bigram`` itself for a CPU one), None with ``bigram``.  The loader builds the ids there
-    before moving them, so keeping them costs nothing; the rows each micro-batch touches are
-    marked from them for the sparse bigram exchange without reading the device.
+    bigram_rows: a (bigram_mod + 1,) bool numpy mask on the host of the bigram-table rows that
+    ``bigram`` looks up, from a loader asked for it (``TrainLoader(bigram_rows=True)``, a run with
+    the sparse bigram exchange), else None.  It is built with the batch, on the builder thread, so
+    the step's thread marks the rows for the exchange with one OR of masks (instead of a scatter
+    of every id) and never reads the device.
     packed: the one (W,) int32 buffer the four tensors above are views of (on their device), so a
     batch moves with one copy (None for a batch made otherwise); see :func:`batch_in`.
     """
@@ -93,7 +94,7 @@ class Batch:
     max_seqlen: int
     num_docs: int
     bigram: torch.Tensor | None = None
-    bigram_host: torch.Tensor | None = None
+    bigram_rows: np.ndarray | None = None
     packed: torch.Tensor | None = None
 
 
@@ -226,24 +227,28 @@ def _host_arrays(chunks: list[np.ndarray], bounds: list[np.ndarray], max_docs: i
     return buffer, layout
 
 
+def _row_mask(buffer: torch.Tensor, layout: dict[str, tuple[int, int]], bigram_mod: int) -> np.ndarray:
+    """(bigram_mod + 1,) bool: the rows a packed host batch's bigram ids look up."""
+    at, words = layout["bigram"]
+    rows = np.zeros(bigram_mod + 1, dtype=np.bool_)
+    rows[buffer[at:at + words].numpy()] = True
+    return rows
+
+
 def _to_batch(host: tuple[torch.Tensor, dict[str, tuple[int, int]]], num_docs: int, max_seqlen: int,
-              device: torch.device) -> Batch:
+              device: torch.device, bigram_rows: np.ndarray | None = None) -> Batch:
     buffer, layout = host
     packed = buffer
     if device.type != "cpu":
         packed = buffer.to(device, non_blocking=device.type == "cuda")  # pinned then
     out = _views(packed, layout)
-    host_bigram = out["bigram"]
-    if packed is not buffer and "bigram" in layout:  # the ids' host copy: the same place in the pinned buffer
-        at, words = layout["bigram"]
-        host_bigram = buffer[at:at + words]
     return Batch(out["inputs"], out["targets"], out["cu_seqlens"], int(max_seqlen), int(num_docs), out["bigram"],
-                 bigram_host=host_bigram, packed=packed)
+                 bigram_rows=bigram_rows, packed=packed)
 
 
 def batch_in(buffer: torch.Tensor, like: Batch) -> Batch:
     """A batch shaped as ``like`` (a packed one) whose tensors are views of ``buffer`` (shaped as
-    ``like.packed``) at the same places; no host copy of the bigram ids.  What a CUDA graph's
+    ``like.packed``) at the same places; no bigram row mask.  What a CUDA graph's
     static micro-batch is: one copy of another batch's ``packed`` refills all of it."""
     if like.packed is None or buffer.shape != like.packed.shape or buffer.dtype != like.packed.dtype:
         raise ValueError("batch_in: needs a packed batch and a buffer of its packed shape and dtype")
@@ -255,7 +260,7 @@ def batch_in(buffer: torch.Tensor, like: Batch) -> Batch:
             at, words = (t.data_ptr() - base) // 4, t.numel() * t.element_size() // 4
             t = buffer[at:at + words].view(t.dtype)
         fields[name] = t
-    return dataclasses.replace(like, **fields, bigram_host=None, packed=buffer)
+    return dataclasses.replace(like, **fields, bigram_rows=None, packed=buffer)
 
 
 def _check_files(files, what: str) -> list[Path]:
@@ -374,22 +379,25 @@ class TrainLoader:
     micro-batch).  max_seq_len: document cap in tokens.  bos_id: the BOS token.  vocab_size: if
     given, every shard is checked to have ids < vocab_size.  max_docs: fixed ``cu_seqlens``
     length - 1 per chunk (default :func:`default_max_docs`).  merge: chunks per batch (see the
-    module doc); batches then hold ``merge * T`` tokens.  prefetch: build the next batches and load
-    the next shard on background threads.  prefetch_batches: how many batches to build ahead (a
-    training step's micro-batch count: a step then takes its batches ready-made, the thread having
-    built them while the main thread waited on the GPU, instead of one at a time as it asks).
+    module doc); batches then hold ``merge * T`` tokens.  prefetch: load the next shard on a
+    background thread, and build batches ahead on another when asked (:meth:`build_ahead`; iterating
+    the loader asks after every batch).  prefetch_batches: how many batches :meth:`build_ahead` keeps
+    pending (a training step's micro-batch count: a step then takes its batches ready-made).
     device: where batches are returned.  bigram_mod: if given, batches carry
-    ``bigram_hash(inputs, bigram_mod)``.
+    ``bigram_hash(inputs, bigram_mod)``.  bigram_rows: batches also carry the mask of the bigram
+    rows they look up (:attr:`Batch.bigram_rows`; needs ``bigram_mod``).
     """
 
     def __init__(self, files: list[Path], tokens_per_rank: int, max_seq_len: int, *, rank: int = 0,
                  world_size: int = 1, bos_id: int, vocab_size: int | None = None, max_docs: int | None = None,
                  prefetch: bool = True, device: str | torch.device = "cpu", bigram_mod: int | None = None,
-                 merge: int = 1, prefetch_batches: int = 1):
+                 merge: int = 1, prefetch_batches: int = 1, bigram_rows: bool = False):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if bigram_mod is not None and bigram_mod <= 0:
             raise ValueError(f"bigram_mod must be positive, got {bigram_mod}")
+        if bigram_rows and bigram_mod is None:
+            raise ValueError("bigram_rows (masks of the bigram rows a batch looks up) needs bigram_mod")
         if isinstance(prefetch_batches, bool) or not isinstance(prefetch_batches, int) or prefetch_batches < 1:
             raise ValueError(f"prefetch_batches must be a positive int, got {prefetch_batches!r}")
         self.files = _check_files(files, "training")
@@ -397,6 +405,7 @@ class TrainLoader:
         self.bos_id, self.vocab_size = int(bos_id), vocab_size
         self.device = torch.device(device)
         self.bigram_mod = bigram_mod
+        self.bigram_rows = bool(bigram_rows)
         self.prefetch = prefetch
         self.prefetch_batches = prefetch_batches
         self.merged_batches = 0  # batches whose documents had to be merged to fit max_docs
@@ -468,7 +477,9 @@ class TrainLoader:
     # -- batches ----------------------------------------------------------------------------------
 
     def next_batch(self) -> Batch:
-        """The next micro-batch of this rank; advances the stream by ``world_size * merge`` chunks."""
+        """The next micro-batch of this rank; advances the stream by ``world_size * merge`` chunks.
+        Taken from the batches :meth:`build_ahead` queued when the first of them starts here, else
+        built on this thread."""
         shape = (self.tokens_per_rank, self.max_seq_len, self.max_docs, self.merge)
         made = None
         if self._pending and self._pending[0][0] == shape:
@@ -478,16 +489,33 @@ class TrainLoader:
         if made is None:
             self._discard_pending()
             made = self._produce(self._pos, *shape)
-        host, num_docs, next_pos, merged, cycled = made
+        host, rows, num_docs, next_pos, merged, cycled = made
         self._pos = next_pos
         self._note(merged, cycled)
-        if self._pool is not None:
-            self._build_ahead(shape)
-        return _to_batch(host, num_docs, self.max_seq_len, self.device)
+        return _to_batch(host, num_docs, self.max_seq_len, self.device, rows)
+
+    def build_ahead(self) -> None:
+        """Queue batches on the builder thread until ``prefetch_batches`` are pending (none without
+        ``prefetch``), each starting where the one before it ends, in the current shape.
+
+        The builder's Python holds the interpreter lock in stretches, and a thread that wants the
+        lock back may wait for the whole stretch: a builder running while this thread issues work
+        delays every step of it.  So building starts only when asked, where this thread is about
+        to wait anyway: a training step asks once all its work is issued, after which the loop
+        waits for the GPU to finish the step before (:func:`speedrun.train.loop.run_step`)."""
+        if self._pool is None:
+            return
+        shape = (self.tokens_per_rank, self.max_seq_len, self.max_docs, self.merge)
+        while len(self._pending) < self.prefetch_batches:
+            before = self._pending[-1][1] if self._pending else None
+            self._pending.append((shape, self._pool.submit(self._produce_after, before, self._pos, shape)))
 
     def __iter__(self) -> Iterator[Batch]:
+        """Batches without end, the next ones built ahead while the caller uses each."""
         while True:
-            yield self.next_batch()
+            batch = self.next_batch()
+            self.build_ahead()
+            yield batch
 
     def close(self) -> None:
         """Stop the background threads and free the shards; the loader is unusable afterwards."""
@@ -505,18 +533,10 @@ class TrainLoader:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _build_ahead(self, shape: tuple) -> None:
-        """Queue batches on the builder thread until ``prefetch_batches`` are pending.  Each one
-        starts where the one before it ends, which the thread knows by the time it gets there
-        (it builds them in order)."""
-        while len(self._pending) < self.prefetch_batches:
-            before = self._pending[-1][1] if self._pending else None
-            self._pending.append((shape, self._pool.submit(self._produce_after, before, self._pos, shape)))
-
     def _produce_after(self, before: concurrent.futures.Future | None, pos: _Pos, shape: tuple):
         """(start, :meth:`_produce`'s result) of the batch after ``before``'s (at ``pos`` if None)."""
         if before is not None:
-            _, (_, _, pos, _, _) = before.result()  # where the batch before ends
+            _, (_, _, _, pos, _, _) = before.result()  # where the batch before ends
         return pos, self._produce(pos, *shape)
 
     def _discard_pending(self) -> None:
@@ -582,8 +602,8 @@ class TrainLoader:
     def _produce(self, pos: _Pos, T: int, L: int, max_docs: int, merge: int):
         """Build this rank's batch (CPU tensors) of ``merge`` chunks starting at pos.
 
-        Returns (host tensors, segments, next position, whether documents were merged, whether
-        the stream wrapped around)."""
+        Returns (host tensors, bigram row mask or None, segments, next position, whether
+        documents were merged, whether the stream wrapped around)."""
         start_epoch = pos.epoch
         chunks, segments = [], []
         for _ in range(merge):
@@ -597,9 +617,10 @@ class TrainLoader:
             segments.append((bounds, _fit_segments(bounds, max_docs, L)))
         host = _host_arrays(chunks, [fitted for _, fitted in segments], max_docs, self.bigram_mod,
                             pin=self.device.type == "cuda")
+        rows = _row_mask(*host, self.bigram_mod) if self.bigram_rows else None
         num_docs = sum(len(fitted) - 1 for _, fitted in segments)
         merged = any(len(fitted) != len(bounds) for bounds, fitted in segments)
-        return host, num_docs, pos, merged, pos.epoch != start_epoch
+        return host, rows, num_docs, pos, merged, pos.epoch != start_epoch
 
     @staticmethod
     def _chunk(mine, T: int, L: int) -> tuple[np.ndarray, np.ndarray]:

@@ -180,7 +180,9 @@ def time_step(session: Session, meter: MemoryMeter | None = None, chain: int = 1
     waits for the host to issue the first kernels.  With ``chain`` > 1 the host issues step
     i + 1 while the GPU still runs step i, as in a training run that logs without synchronizing
     (upstream's per-step ``train_time`` is measured that way), so only the first step's bubble
-    is in the sample, shared by ``chain`` steps."""
+    is in the sample, shared by ``chain`` steps.  Between them the host waits for the step before
+    the one it just issued, as the training loop does when it reads that step's time and loss
+    (:class:`speedrun.train.steplog.StepLog`): the time the loader builds the next batches in."""
     device = session.info.device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -189,8 +191,14 @@ def time_step(session: Session, meter: MemoryMeter | None = None, chain: int = 1
             meter.reset_peak()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        before = None
         for _ in range(chain):
             session.step()
+            issued = torch.cuda.Event()
+            issued.record()
+            if before is not None:
+                before.synchronize()
+            before = issued
         end.record()
         end.synchronize()
         if meter is not None:

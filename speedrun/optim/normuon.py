@@ -609,10 +609,12 @@ class NorMuonAndAdam:
 
     def mark_rows(self, label: str, rows: Tensor | np.ndarray) -> None:
         """Record that this rank's ``label`` gradient may be non-zero in ``rows``: dim-0 indices
-        (any integer dtype and shape) on the host, a CPU tensor or a numpy array.
+        (any integer dtype and shape) or a (table rows,) bool mask, on the host, a CPU tensor or a
+        numpy array.  A mask is OR-ed in, a pass over the table's rows; indices are scattered, a
+        random write per index: the loader builds the mask ahead, off the step's thread.
 
         For "sharded_sparse" tables: call once per micro-batch with the rows its forward looks up
-        (the loader's host copy of the bigram ids, ``Batch.bigram_host``); the next Adam step
+        (the loader's mask of the rows its bigram ids look up, ``Batch.bigram_rows``); the next Adam step
         exchanges only the rows marked since the last one.  A table with no marked rows falls back
         to the dense reduce-scatter, which is always correct.  Host work only, outside any CUDA
         graph.  Rows on a GPU are refused, since reading them would make the host wait for the
@@ -623,15 +625,23 @@ class NorMuonAndAdam:
             if rows.device.type != "cpu":
                 raise ValueError(f"NorMuonAndAdam.mark_rows({label!r}): rows must be on the host (a CPU tensor "
                                  f"or a numpy array), got a tensor on {rows.device}; reading it would make "
-                                 "the host wait for the device (pass the loader's host copy, Batch.bigram_host)")
+                                 "the host wait for the device (pass the loader's host mask, Batch.bigram_rows)")
             rows = rows.numpy()
         e = self.entries[label]
         if e.comms != "sharded_sparse":
             return
+        rows = np.asarray(rows)
+        n = e.param.shape[0]
+        if rows.dtype == np.bool_ and rows.shape != (n,):
+            raise ValueError(f"NorMuonAndAdam.mark_rows({label!r}): a bool mask must have one entry per row "
+                             f"({n}), got shape {rows.shape}")
         mask = self._touched.get(label)
         if mask is None:
-            mask = self._touched[label] = np.zeros(e.param.shape[0], dtype=np.bool_)
-        mask[np.asarray(rows).reshape(-1)] = True
+            mask = self._touched[label] = np.zeros(n, dtype=np.bool_)
+        if rows.dtype == np.bool_:
+            np.logical_or(mask, rows, out=mask)
+        else:
+            mask[rows.reshape(-1)] = True
 
     def zero_grad(self) -> None:
         """Drop every gradient (including Adam's accumulated ones)."""

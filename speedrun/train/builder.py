@@ -248,7 +248,10 @@ class Run:
                            world_size=info.world_size, bos_id=cfg.data.bos_id, vocab_size=cfg.model.vocab_size,
                            max_docs=cfg.train.max_docs or None, device=info.device,
                            bigram_mod=self.model.bigram_mod, merge=plan.merge,
-                           prefetch_batches=max(p.count for p in self.plans))
+                           prefetch_batches=max(p.count for p in self.plans),
+                           # several ranks exchange the bigram table's touched rows (its optimizer's
+                           # sparse exchange), marked from each batch's mask of them
+                           bigram_rows=self.model.bigram_mod is not None and info.world_size > 1)
 
     def set_loader_shape(self, loader, stage_index: int) -> None:
         """Switch ``loader`` to stage ``stage_index``'s shapes, where it is in the data."""

@@ -631,15 +631,15 @@ def _is_zero(value) -> bool:
 
 def _empty_like_batch(batch):
     """A static micro-batch shaped like ``batch``: fresh device buffers, which the graph reads; no
-    host copy of the bigram ids (the rows were marked when the batch was fetched, and a copy here
-    would be the first batch's forever)."""
+    bigram row mask (the rows were marked when the batch was fetched, and a mask here would be
+    the first batch's forever)."""
     import dataclasses
 
     if getattr(batch, "packed", None) is not None:
         return batch_in(torch.empty_like(batch.packed), batch)
     fields = {f: (None if getattr(batch, f, None) is None else torch.empty_like(getattr(batch, f)))
               for f in ("inputs", "targets", "cu_seqlens", "bigram")}
-    if hasattr(batch, "bigram_host"):
-        fields["bigram_host"] = None
+    if hasattr(batch, "bigram_rows"):
+        fields["bigram_rows"] = None
     return dataclasses.replace(batch, **fields)
 

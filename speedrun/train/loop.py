@@ -120,6 +120,9 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
         distributed.all_reduce_mean_([p.grad for p in model.parameters() if p.grad is not None], info)
     mark("grad_reduce")
     recipe.optimizer_step(step, mark)  # marks "optimizer", then "fp8_refresh"
+    # the next step's batches are built from here on, while the caller waits for the device rather
+    # than while this thread issues the step (see TrainLoader.build_ahead)
+    loader.build_ahead()
     return total
 
 

@@ -229,10 +229,11 @@ class RecordRecipe:
             self._set_long_window(w)
 
     def note_batch(self, batch) -> None:
-        """Mark the bigram rows the micro-batch looks up, from the loader's host copy of its ids,
-        for the optimizer's sparse exchange (a no-op on one rank)."""
-        if getattr(batch, "bigram_host", None) is not None:
-            self.optimizer.mark_rows("bigram_embed", batch.bigram_host)
+        """Mark the bigram rows the micro-batch looks up, from the loader's host mask of them
+        (``Batch.bigram_rows``, built on the loader's thread), for the optimizer's sparse exchange
+        (a no-op on one rank, whose loader builds no mask)."""
+        if getattr(batch, "bigram_rows", None) is not None:
+            self.optimizer.mark_rows("bigram_embed", batch.bigram_rows)
 
     def optimizer_step(self, step: int, mark=None) -> None:
         mark = mark or (lambda _: None)
