@@ -337,6 +337,63 @@ def test_static_inputs_take_a_packed_batch_in_one_copy(tmp_path, kernels_use_ref
         session.close()
 
 
+def test_graph_args_read_each_steps_weights_through_the_same_views(tmp_path, kernels_use_references):
+    """The loss weights a graph reads come from the step-values buffer through views made once per
+    (MTP count, prefix on) and reused every step (no tensor made per step), each step's values
+    in them."""
+    from speedrun.model.interface import ForwardArgs
+    from speedrun.train.graphs import RerunCapture, StepGraphs
+
+    session = _session(tmp_path, RECORD)
+    try:
+        graphs = StepGraphs(session.run_model, session.recipe, session.info.device, session.dtype,
+                            capture_with=RerunCapture)
+        first = graphs._graph_args(ForwardArgs(64, 128, (1.0, 0.5), 0.25))
+        again = graphs._graph_args(ForwardArgs(64, 128, (0.75, 0.5), 0.125))
+        assert again.mtp_weights is first.mtp_weights and again.prefix_weight is first.prefix_weight
+        assert again.mtp_weights.tolist() == [0.75, 0.5] and float(again.prefix_weight) == 0.125
+        assert (again.window_short, again.window_long) == (64, 128)
+        plain = graphs._graph_args(ForwardArgs(32, 64, (1.0,), 0.0))
+        assert plain.prefix_weight == 0.0 and plain.mtp_weights.tolist() == [1.0]
+        assert plain.mtp_weights.data_ptr() == first.mtp_weights.data_ptr()  # the one buffer
+    finally:
+        session.close()
+
+
+def test_static_inputs_take_host_batches_onto_the_graphs_device(tmp_path, kernels_use_references):
+    """Batches fetched on the host (what a step with graphs fetches) go straight into static
+    micro-batches on the graphs' device, laid out as the batches and refilled by one copy of each
+    batch's buffer.  The meta device stands in for a GPU."""
+    import types
+
+    from speedrun.train.graphs import RerunCapture, StepGraphs, _batch_shape
+
+    session = _session(tmp_path, RECORD)
+    try:
+        graphs = StepGraphs(session.run_model, session.recipe, torch.device("meta"), session.dtype,
+                            capture_with=RerunCapture)
+        batches = [session.loader.next_batch(on_host=True) for _ in range(2)]
+        key = types.SimpleNamespace(shapes=_batch_shape(batches[0]), count=2)
+        static = graphs._static_inputs(batches, key)
+        for got, host in zip(static, batches):
+            assert host.packed.device.type == "cpu" and got.packed.device.type == "meta"
+            assert got.packed.shape == host.packed.shape and got.bigram_rows is None
+            for f in ("inputs", "targets", "cu_seqlens", "bigram"):
+                h, d = getattr(host, f), getattr(got, f)
+                assert (h is None) == (d is None), f
+                if h is not None:
+                    assert d.device.type == "meta" and d.shape == h.shape and d.dtype == h.dtype, f
+        copies = []
+        for dst in static:
+            real = dst.packed.copy_
+            dst.packed.copy_ = lambda src, _real=real, **kw: (copies.append(src), _real(src, **kw))[1]
+        fresh = [session.loader.next_batch(on_host=True) for _ in range(2)]
+        assert graphs._static_inputs(fresh, key) is static
+        assert [id(c) for c in copies] == [id(b.packed) for b in fresh]
+    finally:
+        session.close()
+
+
 @pytest.mark.parametrize("world", [1, 8], ids=["one-rank", "rank-of-8"])
 @pytest.mark.parametrize("switches", [RECORD, CANDIDATE], ids=["record", "candidate"])
 def test_replayed_steps_leave_the_key_watches_settled(tmp_path, kernels_use_references, switches, world):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import threading
 import warnings
@@ -15,6 +17,7 @@ from speedrun.data.loader import (
     ValLoader,
     _fit_segments,
     batch_in,
+    batch_to,
     bigram_hash,
     default_max_docs,
     default_val_max_docs,
@@ -409,6 +412,33 @@ def test_batches_carry_a_host_mask_of_their_bigram_rows(shards, merge, prefetch)
         assert isinstance(rows, np.ndarray) and rows.dtype == np.bool_ and rows.shape == (mod + 1,)
         assert np.flatnonzero(rows).tolist() == sorted(set(want.bigram.tolist()))
     assert ValLoader(files, 256, 64, bos_id=BOS, bigram_mod=mod, device="meta").batch(1).bigram_rows is None
+
+
+def test_batches_fetched_on_the_host_move_with_one_copy(shards):
+    """``next_batch(on_host=True)`` leaves a loader's batch in host memory, the same values as the
+    batch it would have moved; ``batch_to`` moves a packed batch by one copy of its buffer, the
+    tensors laid out as before and the bigram row mask kept, returns a batch already there as it
+    is, and moves a batch made field by field field by field.  The meta device stands in for a GPU."""
+    files, _ = shards
+    kw = dict(bos_id=BOS, bigram_mod=97, bigram_rows=True, prefetch=False)
+    with TrainLoader(files, 64, 32, **kw) as on_cpu, TrainLoader(files, 64, 32, device="meta", **kw) as moved:
+        for _ in range(3):
+            want, got = on_cpu.next_batch(), moved.next_batch(on_host=True)
+            assert got.packed.device.type == "cpu" and got.packed.shape == want.packed.shape
+            for f in ("inputs", "targets", "cu_seqlens", "bigram"):
+                assert torch.equal(getattr(got, f), getattr(want, f)), f
+            assert np.array_equal(got.bigram_rows, want.bigram_rows)
+            there = batch_to(got, "meta")
+            assert there.packed.device.type == "meta" and there.packed.shape == got.packed.shape
+            assert there.bigram_rows is got.bigram_rows and there.num_docs == got.num_docs
+            for f in ("inputs", "targets", "cu_seqlens", "bigram"):
+                h, d = getattr(got, f), getattr(there, f)
+                assert d.device.type == "meta" and d.shape == h.shape and d.dtype == h.dtype
+                assert h.data_ptr() - got.packed.data_ptr() == d.data_ptr() - there.packed.data_ptr()
+            assert batch_to(there, "meta") is there and batch_to(got, "cpu") is got
+        loose = dataclasses.replace(on_cpu.next_batch(), packed=None)
+        far = batch_to(loose, "meta")
+        assert far.packed is None and far.inputs.device.type == "meta" and far.bigram.shape == loose.bigram.shape
 
 
 def test_val_loader(tmp_path):

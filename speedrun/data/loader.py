@@ -235,21 +235,17 @@ def _row_mask(buffer: torch.Tensor, layout: dict[str, tuple[int, int]], bigram_m
     return rows
 
 
-def _to_batch(host: tuple[torch.Tensor, dict[str, tuple[int, int]]], num_docs: int, max_seqlen: int,
-              device: torch.device, bigram_rows: np.ndarray | None = None) -> Batch:
+def _host_batch(host: tuple[torch.Tensor, dict[str, tuple[int, int]]], num_docs: int, max_seqlen: int,
+                bigram_rows: np.ndarray | None = None) -> Batch:
+    """The batch whose tensors are views of the packed host buffer ``host`` (buffer, layout)."""
     buffer, layout = host
-    packed = buffer
-    if device.type != "cpu":
-        packed = buffer.to(device, non_blocking=device.type == "cuda")  # pinned then
-    out = _views(packed, layout)
+    out = _views(buffer, layout)
     return Batch(out["inputs"], out["targets"], out["cu_seqlens"], int(max_seqlen), int(num_docs), out["bigram"],
-                 bigram_rows=bigram_rows, packed=packed)
+                 bigram_rows=bigram_rows, packed=buffer)
 
 
-def batch_in(buffer: torch.Tensor, like: Batch) -> Batch:
-    """A batch shaped as ``like`` (a packed one) whose tensors are views of ``buffer`` (shaped as
-    ``like.packed``) at the same places; no bigram row mask.  What a CUDA graph's
-    static micro-batch is: one copy of another batch's ``packed`` refills all of it."""
+def _laid_out_as(buffer: torch.Tensor, like: Batch) -> dict[str, torch.Tensor | None]:
+    """``like``'s four tensors as views of ``buffer`` (shaped as ``like.packed``) at the same places."""
     if like.packed is None or buffer.shape != like.packed.shape or buffer.dtype != like.packed.dtype:
         raise ValueError("batch_in: needs a packed batch and a buffer of its packed shape and dtype")
     base = like.packed.data_ptr()
@@ -260,7 +256,29 @@ def batch_in(buffer: torch.Tensor, like: Batch) -> Batch:
             at, words = (t.data_ptr() - base) // 4, t.numel() * t.element_size() // 4
             t = buffer[at:at + words].view(t.dtype)
         fields[name] = t
-    return dataclasses.replace(like, **fields, bigram_rows=None, packed=buffer)
+    return fields
+
+
+def batch_in(buffer: torch.Tensor, like: Batch) -> Batch:
+    """A batch shaped as ``like`` (a packed one) whose tensors are views of ``buffer`` (shaped as
+    ``like.packed``) at the same places; no bigram row mask.  What a CUDA graph's
+    static micro-batch is: one copy of another batch's ``packed`` refills all of it."""
+    return dataclasses.replace(like, **_laid_out_as(buffer, like), bigram_rows=None, packed=buffer)
+
+
+def batch_to(batch: Batch, device: str | torch.device) -> Batch:
+    """``batch`` on ``device``: a packed batch by one copy of its buffer (asynchronous from pinned
+    host memory to a GPU), the views laid out as before; the host's bigram row mask kept.  The
+    batch itself when it is there already."""
+    device = torch.device(device)
+    if batch.inputs.device.type == device.type:
+        return batch
+    if batch.packed is None:
+        move = {f: None if getattr(batch, f) is None else getattr(batch, f).to(device)
+                for f in ("inputs", "targets", "cu_seqlens", "bigram")}
+        return dataclasses.replace(batch, **move)
+    packed = batch.packed.to(device, non_blocking=device.type == "cuda")  # pinned then
+    return dataclasses.replace(batch, **_laid_out_as(packed, batch), packed=packed)
 
 
 def _check_files(files, what: str) -> list[Path]:
@@ -476,10 +494,12 @@ class TrainLoader:
 
     # -- batches ----------------------------------------------------------------------------------
 
-    def next_batch(self) -> Batch:
+    def next_batch(self, *, on_host: bool = False) -> Batch:
         """The next micro-batch of this rank; advances the stream by ``world_size * merge`` chunks.
         Taken from the batches :meth:`build_ahead` queued when the first of them starts here, else
-        built on this thread."""
+        built on this thread.  ``on_host``: leave it in host memory (pinned for a CUDA loader),
+        for a caller that copies it into buffers of its own (a CUDA graph's static inputs) or
+        moves it later (:func:`batch_to`); else it is on the loader's device."""
         shape = (self.tokens_per_rank, self.max_seq_len, self.max_docs, self.merge)
         made = None
         if self._pending and self._pending[0][0] == shape:
@@ -489,10 +509,10 @@ class TrainLoader:
         if made is None:
             self._discard_pending()
             made = self._produce(self._pos, *shape)
-        host, rows, num_docs, next_pos, merged, cycled = made
+        batch, next_pos, merged, cycled = made
         self._pos = next_pos
         self._note(merged, cycled)
-        return _to_batch(host, num_docs, self.max_seq_len, self.device, rows)
+        return batch if on_host else batch_to(batch, self.device)
 
     def build_ahead(self) -> None:
         """Queue batches on the builder thread until ``prefetch_batches`` are pending (none without
@@ -536,7 +556,7 @@ class TrainLoader:
     def _produce_after(self, before: concurrent.futures.Future | None, pos: _Pos, shape: tuple):
         """(start, :meth:`_produce`'s result) of the batch after ``before``'s (at ``pos`` if None)."""
         if before is not None:
-            _, (_, _, _, pos, _, _) = before.result()  # where the batch before ends
+            _, (_, pos, _, _) = before.result()  # where the batch before ends
         return pos, self._produce(pos, *shape)
 
     def _discard_pending(self) -> None:
@@ -600,10 +620,11 @@ class TrainLoader:
         return pieces, pos
 
     def _produce(self, pos: _Pos, T: int, L: int, max_docs: int, merge: int):
-        """Build this rank's batch (CPU tensors) of ``merge`` chunks starting at pos.
+        """Build this rank's batch of ``merge`` chunks starting at pos, in host memory (pinned for
+        a CUDA loader), with its views and bigram row mask: all of it on the builder thread.
 
-        Returns (host tensors, bigram row mask or None, segments, next position, whether
-        documents were merged, whether the stream wrapped around)."""
+        Returns (the batch, next position, whether documents were merged, whether the stream
+        wrapped around)."""
         start_epoch = pos.epoch
         chunks, segments = [], []
         for _ in range(merge):
@@ -620,7 +641,7 @@ class TrainLoader:
         rows = _row_mask(*host, self.bigram_mod) if self.bigram_rows else None
         num_docs = sum(len(fitted) - 1 for _, fitted in segments)
         merged = any(len(fitted) != len(bounds) for bounds, fitted in segments)
-        return host, rows, num_docs, pos, merged, pos.epoch != start_epoch
+        return _host_batch(host, num_docs, L, rows), pos, merged, pos.epoch != start_epoch
 
     @staticmethod
     def _chunk(mine, T: int, L: int) -> tuple[np.ndarray, np.ndarray]:
@@ -720,7 +741,7 @@ class ValLoader:
         bounds = np.concatenate(([0], bos[bos > 0], [T])).astype(np.int64)
         fitted = _fit_segments(bounds, self.max_docs, T)
         host = _host_arrays([chunk], [fitted], self.max_docs, self.bigram_mod, pin=self.device.type == "cuda")
-        return _to_batch(host, len(fitted) - 1, T, self.device)
+        return batch_to(_host_batch(host, len(fitted) - 1, T), self.device)
 
     def __iter__(self) -> Iterator[Batch]:
         for s in range(self.num_batches):

@@ -55,7 +55,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from speedrun.config import CUDA_GRAPHS_CHOICES
-from speedrun.data.loader import batch_in
+from speedrun.data.loader import batch_in, batch_to
 from speedrun.errors import ConfigError, SpeedrunError
 from speedrun.kernels.step_values import StepValues
 from speedrun.model.interface import ForwardArgs
@@ -313,6 +313,8 @@ class StepGraphs:
         self._grad_buffers: dict[int, torch.Tensor] = {}  # id(param) -> its gradient buffer
         self._inputs: dict[tuple, list] = {}  # (batch shape, count) -> static micro-batches
         self._values: StepValues | None = None
+        # views of the step-values buffer by (MTP weights, prefix loss on): the same every step
+        self._value_views: dict[tuple[int, bool], tuple] = {}
         self._loss: torch.Tensor | None = None
         # the optimizer's update too, where it can be captured (train.cuda_graph_optimizer)
         self.updates = None
@@ -328,8 +330,10 @@ class StepGraphs:
 
     def run(self, batches: list, args: ForwardArgs, scale: float,
             mark: Callable[[str], None] | None = None, divisor: float = 1.0) -> torch.Tensor:
-        """The loop over ``batches`` (already on the device): replayed, captured or eager, and
-        with ``ends_step`` the step's end.  Returns the scaled losses' sum over ``divisor`` (0-d
+        """The loop over ``batches``: replayed, captured or eager, and with ``ends_step`` the step's
+        end.  ``batches`` may be on the host (pinned, :meth:`TrainLoader.next_batch` with
+        ``on_host``): a replay then copies each into its graph's buffers, one copy per batch and
+        nothing else on the host, and only a step run eagerly moves them to the device first.  Returns the scaled losses' sum over ``divisor`` (0-d
         fp32, a fresh tensor).  ``mark``: the host phase tracer (:func:`speedrun.train.loop.run_step`'s
         ``on_phase``), called with "graph_key", "graph_inputs" and "graph_replay" as a replayed
         step issues each, or with "forward" once when the step is captured or runs eagerly."""
@@ -345,7 +349,7 @@ class StepGraphs:
         if seen < CAPTURE_ON_SIGHT:
             self._note_missed(key)
             self.stats.eager_steps += 1
-            total = self._loop(batches, args, scale, divisor)
+            total = self._loop([batch_to(b, self.device) for b in batches], args, scale, divisor)
             mark("forward")
             return total
         with self.pause():
@@ -427,11 +431,13 @@ class StepGraphs:
         slot = (key.shapes, key.count)
         static = self._inputs.get(slot)
         if static is None:
-            static = self._inputs[slot] = [_empty_like_batch(b) for b in batches]
+            static = self._inputs[slot] = [_empty_like_batch(b, self.device) for b in batches]
         for dst, src in zip(static, batches):
             packed, into = getattr(src, "packed", None), getattr(dst, "packed", None)
             if packed is not None and into is not None and packed.shape == into.shape:
-                into.copy_(packed, non_blocking=True)  # the loader's batches: one buffer, same layout
+                # the loader's batches: one buffer, same layout; from the host (pinned) straight
+                # into the graph's buffer when the batch was fetched on the host
+                into.copy_(packed, non_blocking=True)
                 continue
             for f in ("inputs", "targets", "cu_seqlens", "bigram"):
                 t = getattr(src, f, None)
@@ -448,8 +454,11 @@ class StepGraphs:
             self._values = StepValues(self.device, max(8, len(values)))
         buf = self._values.write(values)
         k = len(weights)
-        return ForwardArgs(window_short=args.window_short, window_long=args.window_long, mtp_weights=buf[:k],
-                           prefix_weight=buf[k] if prefix else 0.0)
+        views = self._value_views.get((k, prefix))
+        if views is None:
+            views = self._value_views[(k, prefix)] = (buf[:k], buf[k] if prefix else 0.0)
+        return ForwardArgs(window_short=args.window_short, window_long=args.window_long, mtp_weights=views[0],
+                           prefix_weight=views[1])
 
     # -- replay --------------------------------------------------------------------------------
 
@@ -629,15 +638,15 @@ def _is_zero(value) -> bool:
     return isinstance(value, (int, float)) and value == 0
 
 
-def _empty_like_batch(batch):
-    """A static micro-batch shaped like ``batch``: fresh device buffers, which the graph reads; no
-    bigram row mask (the rows were marked when the batch was fetched, and a mask here would be
-    the first batch's forever)."""
+def _empty_like_batch(batch, device: torch.device):
+    """A static micro-batch shaped like ``batch`` (on the host or a device): fresh buffers on
+    ``device``, which the graph reads; no bigram row mask (the rows were marked when the batch was
+    fetched, and a mask here would be the first batch's forever)."""
     import dataclasses
 
     if getattr(batch, "packed", None) is not None:
-        return batch_in(torch.empty_like(batch.packed), batch)
-    fields = {f: (None if getattr(batch, f, None) is None else torch.empty_like(getattr(batch, f)))
+        return batch_in(torch.empty_like(batch.packed, device=device), batch)
+    fields = {f: (None if getattr(batch, f, None) is None else torch.empty_like(getattr(batch, f), device=device))
               for f in ("inputs", "targets", "cu_seqlens", "bigram")}
     if hasattr(batch, "bigram_rows"):
         fields["bigram_rows"] = None

@@ -100,7 +100,9 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
     # mean times `unit` tokens; merged micro-batches give the same.
     unit = mb.chunk if recipe.loss_reduction == "sum" else 1
     mark("setup")
-    fetched = microbatch.micro_batches(loader, accum, on_batch=recipe.note_batch)
+    # a replayed step copies its batches from the host into its graph's buffers: no device copy
+    # of them here (graphs.run moves them where a step runs eagerly)
+    fetched = microbatch.micro_batches(loader, accum, on_batch=recipe.note_batch, on_host=graphs is not None)
     if graphs is None:
         total = microbatch.accumulate(model, fetched, args, unit / accum, info.device, dtype, mark)
         total = total if unit == 1 else total / unit

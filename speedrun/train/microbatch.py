@@ -41,12 +41,14 @@ def accumulate(model, batches: Iterable, args: ForwardArgs, scale: float, device
     return total
 
 
-def micro_batches(loader, count: int, on_batch: Callable[[object], None] | None = None) -> Iterator:
+def micro_batches(loader, count: int, on_batch: Callable[[object], None] | None = None, *,
+                  on_host: bool = False) -> Iterator:
     """``count`` batches from ``loader``, each fetched when the iteration reaches it and handed to
     ``on_batch`` first (host work per micro-batch, e.g. the recipe's ``note_batch``: it runs once
-    per micro-batch whether the loop then runs eagerly or is replayed from a graph)."""
+    per micro-batch whether the loop then runs eagerly or is replayed from a graph).  ``on_host``:
+    left in host memory (see :meth:`speedrun.data.loader.TrainLoader.next_batch`)."""
     for _ in range(count):
-        batch = loader.next_batch()
+        batch = loader.next_batch(on_host=on_host)
         if on_batch is not None:
             on_batch(batch)
         yield batch
