@@ -247,7 +247,7 @@ def _host_batch(host: tuple[torch.Tensor, dict[str, tuple[int, int]]], num_docs:
 def _laid_out_as(buffer: torch.Tensor, like: Batch) -> dict[str, torch.Tensor | None]:
     """``like``'s four tensors as views of ``buffer`` (shaped as ``like.packed``) at the same places."""
     if like.packed is None or buffer.shape != like.packed.shape or buffer.dtype != like.packed.dtype:
-        raise ValueError("batch_in: needs a packed batch and a buffer of its packed shape and dtype")
+        raise ValueError("batch_in / batch_to: need a packed batch and a buffer of its packed shape and dtype")
     base = like.packed.data_ptr()
     fields = {}
     for name in ("inputs", "targets", "cu_seqlens", "bigram"):

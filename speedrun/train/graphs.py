@@ -333,10 +333,11 @@ class StepGraphs:
         """The loop over ``batches``: replayed, captured or eager, and with ``ends_step`` the step's
         end.  ``batches`` may be on the host (pinned, :meth:`TrainLoader.next_batch` with
         ``on_host``): a replay then copies each into its graph's buffers, one copy per batch and
-        nothing else on the host, and only a step run eagerly moves them to the device first.  Returns the scaled losses' sum over ``divisor`` (0-d
-        fp32, a fresh tensor).  ``mark``: the host phase tracer (:func:`speedrun.train.loop.run_step`'s
-        ``on_phase``), called with "graph_key", "graph_inputs" and "graph_replay" as a replayed
-        step issues each, or with "forward" once when the step is captured or runs eagerly."""
+        nothing else on the host, and only a step run eagerly moves them to the device first.
+        Returns the scaled losses' sum over ``divisor`` (0-d fp32, a fresh tensor).  ``mark``: the
+        host phase tracer (:func:`speedrun.train.loop.run_step`'s ``on_phase``), called with
+        "graph_key", "graph_inputs" and "graph_replay" as a replayed step issues each, or with
+        "forward" once when the step is captured or runs eagerly."""
         mark = mark or _no_mark
         key = self._key(batches, args, scale, divisor)
         step = self._steps.get(key)
