@@ -233,7 +233,7 @@ def test_a_simulated_rank_runs_its_share_of_an_n_rank_step(world, use_builtin_ca
         ref.close()
         seen = []
         next_batch = s.loader.next_batch
-        s.loader.next_batch = lambda: seen.append(next_batch()) or seen[-1]
+        s.loader.next_batch = lambda **kw: seen.append(next_batch(**kw)) or seen[-1]
         before = {lab: e.param.detach().clone() for lab, e in banks.items()}
         for _ in range(2):  # an even step and an odd one (Adam)
             loss = s.step()
