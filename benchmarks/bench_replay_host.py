@@ -19,8 +19,9 @@ the step before (the loop reads that step's time and loss), and the loader build
 batches in that wait (:meth:`speedrun.data.loader.TrainLoader.build_ahead`); 0 leaves no gap.
 
 Usage: ``python benchmarks/bench_replay_host.py [--arms record candidate] [--world 1 8]
-[--steps 30] [--batch-divisor 1024] [--gpu-wait-ms 20]``.  Run without ``TRITON_INTERPRET`` (the fused kernels then
-run their references on a CPU).  Compare figures only within one run of this script.
+[--steps 30] [--batch-divisor 1024] [--gpu-wait-ms 20]``.  Run without ``TRITON_INTERPRET`` (the
+fused kernels then run their references on a CPU).  Compare figures only within one run of this
+script.
 """
 
 from __future__ import annotations

@@ -500,7 +500,7 @@ class TrainLoader:
         built on this thread.  ``on_host``: leave it in host memory (pinned for a CUDA loader),
         for a caller that copies it into buffers of its own (a CUDA graph's static inputs) or
         moves it later (:func:`batch_to`); else it is on the loader's device."""
-        shape = (self.tokens_per_rank, self.max_seq_len, self.max_docs, self.merge)
+        shape = self._shape()
         made = None
         if self._pending and self._pending[0][0] == shape:
             start, made = self._pending.popleft()[1].result()
@@ -525,7 +525,7 @@ class TrainLoader:
         waits for the GPU to finish the step before (:func:`speedrun.train.loop.run_step`)."""
         if self._pool is None:
             return
-        shape = (self.tokens_per_rank, self.max_seq_len, self.max_docs, self.merge)
+        shape = self._shape()
         while len(self._pending) < self.prefetch_batches:
             before = self._pending[-1][1] if self._pending else None
             self._pending.append((shape, self._pool.submit(self._produce_after, before, self._pos, shape)))
@@ -552,6 +552,10 @@ class TrainLoader:
         self.close()
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _shape(self) -> tuple[int, int, int, int]:
+        """What a batch is built for: (tokens per chunk, document cap, max_docs, merge)."""
+        return self.tokens_per_rank, self.max_seq_len, self.max_docs, self.merge
 
     def _produce_after(self, before: concurrent.futures.Future | None, pos: _Pos, shape: tuple):
         """(start, :meth:`_produce`'s result) of the batch after ``before``'s (at ``pos`` if None)."""
