@@ -179,15 +179,15 @@ def test_training_steps_flush_the_accumulated_gradients(tmp_path, monkeypatch):
 
     tables = ("embed", "value_embeds", "bigram_embed", "lm_head")
     seen: dict[str, dict] = {}
-    real_prepare = NorMuonAndAdam.prepare  # reads the gradients the step is about to apply
+    real_kernels = NorMuonAndAdam.launch_kernels  # reads the gradients the step applies (the flush ran)
 
-    def spy(self, step_index, **kw):
-        if step_index in (0, 1):
-            seen[mode][step_index] = {t: (None if self.entries[t].param.grad is None else self.entries[t].param.grad.clone())
-                                      for t in tables}
-        return real_prepare(self, step_index, **kw)
+    def spy(self, plan):
+        if plan.step_index in (0, 1):
+            seen[mode][plan.step_index] = {t: (None if self.entries[t].param.grad is None
+                                               else self.entries[t].param.grad.clone()) for t in tables}
+        return real_kernels(self, plan)
 
-    monkeypatch.setattr(NorMuonAndAdam, "prepare", spy)
+    monkeypatch.setattr(NorMuonAndAdam, "launch_kernels", spy)
     for mode in ("autograd", "atomic"):
         seen[mode] = {}
         cfg = preset("tiny-record")
@@ -226,9 +226,13 @@ def test_embedding_gradients_wait_for_adam_steps_checkpoints_and_warmup(tmp_path
     from speedrun.train.loop import train
 
     flushes: list[bool] = []
-    real_flush = RecordGPT.flush_embedding_grads
-    monkeypatch.setattr(RecordGPT, "flush_embedding_grads",
-                        lambda self: (flushes.append(self._embedding_grads.pending()), real_flush(self))[1])
+    real_flush = RecordGPT.prepare_embedding_flush
+
+    def spy(self):
+        flushes.append(self._embedding_grads.pending())
+        return real_flush(self)
+
+    monkeypatch.setattr(RecordGPT, "prepare_embedding_flush", spy)
     weights = {}
     for warmup in (0, 1):
         cfg = preset("tiny-record")

@@ -297,6 +297,79 @@ def test_graph_bookkeeping_takes_the_eager_steps(tmp_path, kernels_use_reference
     assert summary["eager_updates"] + summary["replayed_updates"] + summary["update_captures"] == 9, summary
 
 
+def _tail_host_records(model) -> tuple:
+    """What the FP8 weight refresh and the embedding flush keep on the host (counters, versions,
+    which objects hold the copies, the flush's pending flag): the kernels a CUDA graph replays
+    cannot change any of it."""
+    cache, emb = model._mlp_fp8, model._embedding_grads
+    mlp = None if cache is None else (
+        cache.version, cache._valid, dict(cache._refreshes), dict(cache._source_versions),
+        {k: id(v) for k, v in cache._entries.items()}, {k: id(v) for k, v in cache._amax.items()},
+        {k: id(v) for k, v in cache._raw_scale.items()}, {k: v.version for k, v in cache._entries.items()})
+    return (mlp, id(model._head_fp8), model._head_fp8_version, list(model._qkv_fp8_versions),
+            {j: id(p) for j, p in model._qkv_fp8.items()}, None if emb is None else emb._pending,
+            tuple(id(p.grad) for p in model.parameters()))
+
+
+@pytest.mark.parametrize("switches", [RECORD, CANDIDATE], ids=["record", "candidate"])
+def test_the_update_graph_holds_the_flush_and_the_fp8_refresh(tmp_path, kernels_use_references, switches):
+    """On one rank the embedding tables' gradient flush (Adam steps) and the FP8 weight copies'
+    refresh are captured with the optimizer's update: once updates replay, every replayed update
+    holds the refresh, the Adam ones the flush too, and re-running the captured work leaves the
+    host records it would leave alone on a GPU (a stand-in that fails otherwise), while the
+    weights, losses and FP8 copies equal an eager run's bit for bit."""
+    from speedrun.train.graphs import RerunCapture, StepGraphs, _Rerun
+
+    class KernelsOnly(RerunCapture):
+        """RerunCapture whose replays must leave the model's host records as they were."""
+
+        model = None
+
+        def capture(self, fn):
+            fn()
+            return _KernelsOnlyReplay(fn, self.model)
+
+    class _KernelsOnlyReplay(_Rerun):
+        def __init__(self, fn, model):
+            super().__init__(fn)
+            self.model = model
+
+        def replay(self):
+            if "UpdateGraphs" not in self.fn.__qualname__:  # a step graph's (its host state is set back)
+                return super().replay()
+            before = _tail_host_records(self.model)
+            super().replay()
+            assert _tail_host_records(self.model) == before
+
+    results = []
+    for graphs in (False, True):
+        session = _session(tmp_path / str(graphs), switches)
+        KernelsOnly.model = session.model
+        if graphs:
+            session.graphs = StepGraphs(session.run_model, session.recipe, session.info.device, session.dtype,
+                                        capture_with=KernelsOnly)
+        try:
+            losses = [float(session.step()) for _ in range(STEPS_UNTIL_UPDATE_REPLAY + 4)]
+        finally:
+            session.close()
+        model = session.model
+        copies = [t.clone() for _, t in model.prepare_fp8_refresh().written()]
+        results.append((losses, {k: v.clone() for k, v in model.state_dict().items()}, copies))
+        if graphs:
+            updates = session.graphs.updates
+            assert session.graphs.stats.replayed_updates >= 3, session.graphs.summary()
+            around = [key[-1] for key in updates._updates]
+            assert all(after is not None for _, after in around), around
+            assert any(before is not None for before, _ in around), around  # an Adam step's flush
+    (eager_losses, eager_w, eager_fp8), (graph_losses, graph_w, graph_fp8) = results
+    assert graph_losses == eager_losses
+    for k in eager_w:
+        assert torch.equal(eager_w[k], graph_w[k]), k
+    assert len(eager_fp8) == len(graph_fp8) > 0
+    for e, g in zip(eager_fp8, graph_fp8):
+        assert torch.equal(e.float(), g.float())
+
+
 def test_static_inputs_take_a_packed_batch_in_one_copy(tmp_path, kernels_use_references):
     """The loader's batches are one buffer each: a step's static micro-batches are refilled by
     copying that buffer (each field then equals the fetched batch's), and a batch made field by

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from speedrun.kernels._triton import cdiv, interpreting, launch, next_pow2, sm_count, triton_usable  # noqa: F401
+from speedrun.kernels.device_work import DeviceWork
 from speedrun.kernels.launch_notes import launch_note
 
 E4M3 = torch.float8_e4m3fn
@@ -850,10 +851,25 @@ class FP8WeightCache:
         weights: dict[str, torch.Tensor],
         multipliers: dict[str, torch.Tensor | float] | None = None,
     ) -> None:
-        """Re-quantise every named weight (one read each) and mark the cache valid.
+        """Re-quantise every named weight (one read each) and mark the cache valid:
+        :meth:`prepare_refresh`, then its launch and settle.
 
         Every name cached so far must be passed again: a partial refresh would leave stale entries.
         """
+        work = self.prepare_refresh(weights, multipliers)
+        work.launch()
+        work.settle()
+
+    def prepare_refresh(
+        self,
+        weights: dict[str, torch.Tensor],
+        multipliers: dict[str, torch.Tensor | float] | None = None,
+    ) -> "CacheRefresh":
+        """The host half of :meth:`refresh`: picks each weight's scaling rule (a checkpoint's saved
+        scale, the current amax during the bootstrap and for ``current_names``, else the last
+        refresh's amax with headroom), advances the counters and versions, marks the cache valid,
+        and returns the kernels still to launch (:class:`CacheRefresh`; launch it, and settle it
+        once the step's writes of the weights are issued, before any read of the cache)."""
         multipliers = multipliers or {}
         missing = set(self._entries) - set(weights)
         if missing:
@@ -861,51 +877,75 @@ class FP8WeightCache:
         unknown = set(multipliers) - set(weights)
         if unknown:
             raise ValueError(f"multipliers given for unknown weights {sorted(unknown)}")
+        version = self.version + 1
+        items = []
         for name, w in weights.items():
             prev = self._entries.get(name)
             if prev is not None and prev.data.shape != w.shape:
                 raise ValueError(f"weight {name!r} changed shape from {tuple(prev.data.shape)} to {tuple(w.shape)}")
             n = self._refreshes.get(name, 0)
-            fmax = FP8_MAX[self.fp8_dtype]
-            if name in self._replay:
-                scale = self._replay.pop(name).to(w.device)
+            replay = self._replay.pop(name, None)
+            if replay is not None:
+                rule = "replay"
             elif n < self.bootstrap_refreshes or name not in self._amax or name in self.current_names:
-                amax_now = w.detach().abs().amax(dim=(-2, -1)).float()
-                scale = current_scale(amax_now, fmax)
+                rule = "current"
             else:
-                scale = headroom_scale(self._amax[name], self.headroom, fmax)
-            out = prev.data if prev is not None else None
-            out_t = prev.data_t if prev is not None else None
-            amax = self._amax.get(name) if prev is not None else None
-            amax = amax.zero_() if amax is not None else torch.zeros(tuple(w.shape[:-2]), dtype=torch.float32,
-                                                                     device=w.device)
-            q, qt, amax = quantize_dual_layout(w.detach(), scale, fp8_dtype=self.fp8_dtype, out=out, out_t=out_t, amax=amax)
+                rule = "headroom"
             m = multipliers.get(name)
-            deq = scale if m is None else scale * (m.detach().float() if isinstance(m, torch.Tensor) else float(m))
-            # Every tensor an entry holds keeps its address from one refresh to the next (written
-            # in place), so code captured in a CUDA graph reads the current update's values.
-            if prev is not None and prev.scale.shape == deq.shape:
-                deq = prev.scale.copy_(deq)
-            elif deq.dim() == 1:
-                # One 16-byte slot per matrix: cuBLASLt wants each 0-d scale view 16-byte aligned.
-                slots = torch.zeros((deq.shape[0], 4), dtype=torch.float32, device=deq.device)
-                slots[:, 0] = deq
-                deq = slots[:, 0]
-            else:
-                deq = deq.clone()  # never an alias of the raw scale below
-            raw = self._raw_scale.get(name)
-            scale = raw.copy_(scale) if raw is not None and raw.shape == scale.shape else scale.clone()
-            if prev is not None and prev.data is q and prev.data_t is qt and prev.scale is deq:
-                prev.version = self.version + 1  # everything written in place
-            else:
-                self._entries[name] = FP8Weight(q, qt, deq, self.version + 1)
-            self._amax[name] = amax
-            self._raw_scale[name] = scale
+            # rewritten in place: the entry, its amax and raw scale exist and keep their shapes
+            in_place = (prev is not None and name in self._raw_scale and rule != "replay"
+                        and (not isinstance(m, torch.Tensor)
+                             or torch.broadcast_shapes(prev.scale.shape, m.shape) == prev.scale.shape))
+            if in_place:
+                prev.version = version
+            items.append(_Requantize(name, w.detach(), rule, replay, m, in_place))
             self._refreshes[name] = n + 1
             self._sources[name] = w
-            self._source_versions[name] = w._version
-        self.version += 1
+        self.version = version
         self._valid = True
+        return CacheRefresh(self, items, version)
+
+    def _requantize(self, item: "_Requantize", version: int) -> None:
+        """The kernels of one weight's refresh (see :class:`CacheRefresh`)."""
+        name, w, m = item.name, item.weight, item.multiplier
+        prev = self._entries.get(name)
+        fmax = FP8_MAX[self.fp8_dtype]
+        if item.rule == "replay":
+            scale = item.replay_scale.to(w.device)
+        elif item.rule == "current":
+            scale = current_scale(w.abs().amax(dim=(-2, -1)).float(), fmax)
+        else:
+            scale = headroom_scale(self._amax[name], self.headroom, fmax)
+        out = prev.data if prev is not None else None
+        out_t = prev.data_t if prev is not None else None
+        amax = self._amax.get(name) if prev is not None else None
+        amax = amax.zero_() if amax is not None else torch.zeros(tuple(w.shape[:-2]), dtype=torch.float32,
+                                                                 device=w.device)
+        q, qt, amax = quantize_dual_layout(w, scale, fp8_dtype=self.fp8_dtype, out=out, out_t=out_t, amax=amax)
+        deq = scale if m is None else scale * (m.detach().float() if isinstance(m, torch.Tensor) else float(m))
+        if item.in_place:
+            # every tensor of the entry keeps its address from one refresh to the next, so code
+            # captured in a CUDA graph reads the current update's values
+            prev.scale.copy_(deq)
+            self._raw_scale[name].copy_(scale)
+            return
+        if prev is not None and prev.scale.shape == deq.shape:
+            deq = prev.scale.copy_(deq)
+        elif deq.dim() == 1:
+            # One 16-byte slot per matrix: cuBLASLt wants each 0-d scale view 16-byte aligned.
+            slots = torch.zeros((deq.shape[0], 4), dtype=torch.float32, device=deq.device)
+            slots[:, 0] = deq
+            deq = slots[:, 0]
+        else:
+            deq = deq.clone()  # never an alias of the raw scale below
+        raw = self._raw_scale.get(name)
+        scale = raw.copy_(scale) if raw is not None and raw.shape == scale.shape else scale.clone()
+        if prev is not None and prev.data is q and prev.data_t is qt and prev.scale is deq:
+            prev.version = version
+        else:
+            self._entries[name] = FP8Weight(q, qt, deq, version)
+        self._amax[name] = amax
+        self._raw_scale[name] = scale
 
     def get(self, name: str) -> FP8Weight:
         """The cached entry; raises :class:`StaleFP8CacheError` if it no longer matches its weight."""
@@ -943,3 +983,52 @@ class FP8WeightCache:
     def saturated(self, name: str) -> torch.Tensor:
         """Device bool (per matrix): did the last refresh clip values (amax > 448 * scale)?"""
         return self._amax[name] > self._raw_scale[name] * FP8_MAX[self.fp8_dtype]
+
+
+@dataclass
+class _Requantize:
+    """One weight's share of a refresh: the scaling rule :meth:`FP8WeightCache.prepare_refresh`
+    picked (``"replay"``, ``"current"`` or ``"headroom"``), the saved scale a replay reuses, the
+    multiplier, and whether the entry is rewritten in place."""
+
+    name: str
+    weight: torch.Tensor
+    rule: str
+    replay_scale: torch.Tensor | None
+    multiplier: torch.Tensor | float | None
+    in_place: bool
+
+
+class CacheRefresh(DeviceWork):
+    """The kernels of one :meth:`FP8WeightCache.refresh`, its host half done.
+
+    Capturable (a key) once every entry is rewritten in place under a rule read from device
+    tensors: the first refresh of a name allocates its entry, and a checkpoint's replayed scale is
+    a one-off, so those run eagerly."""
+
+    def __init__(self, cache: FP8WeightCache, items: list[_Requantize], version: int):
+        self.cache, self.items, self.version = cache, items, version
+        # a number as multiplier would be baked into the capture
+        capturable = all(it.in_place and not isinstance(it.multiplier, (int, float)) for it in items)
+        self.key = tuple((it.name, it.rule, it.multiplier is not None) for it in items) if capturable else None
+
+    @torch.no_grad()
+    def launch(self) -> None:
+        for item in self.items:
+            self.cache._requantize(item, self.version)
+
+    def settle(self) -> None:
+        """The weights' version counters as the cache's staleness check will compare them."""
+        for item in self.items:
+            self.cache._source_versions[item.name] = self.cache._sources[item.name]._version
+
+    def written(self) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for item in self.items:
+            e = self.cache._entries.get(item.name)
+            if e is None:
+                continue
+            out += [(f"{item.name}.data", e.data), (f"{item.name}.data_t", e.data_t), (f"{item.name}.scale", e.scale),
+                    (f"{item.name}.amax", self.cache._amax[item.name]),
+                    (f"{item.name}.raw_scale", self.cache._raw_scale[item.name])]
+        return out

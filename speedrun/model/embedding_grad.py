@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from speedrun.kernels.device_work import DeviceWork
+
 # Accumulators by handle: the backward reaches its table's accumulator through an integer, a
 # constant in a compiled graph (``model.embedding_grad="atomic_graph"`` traces the lookups).
 _ACCUMULATORS: list[torch.Tensor] = []
@@ -160,19 +162,30 @@ class EmbeddingGradAccumulator:
         self._by_name.clear()  # in place, as InputScaling.set_host_state refills its containers
         self._by_name.update(state[1])
 
-    @torch.no_grad()
     def flush(self) -> None:
         """``weight.grad += acc`` (fp32 sum, one rounding to the parameter's dtype) for every
         table, then the accumulators are zeroed.  No-op when nothing is pending."""
+        work = self.prepare_flush()
+        if work is not None:
+            work.launch()
+
+    def prepare_flush(self) -> "EmbeddingFlush | None":
+        """The host half of :meth:`flush`: every table without a gradient gets the buffer the
+        flush copies into as its ``.grad`` (one per table, kept across steps), nothing is pending
+        any more, and the kernels are returned (:class:`EmbeddingFlush`, to launch before anything
+        reads the gradients).  None when nothing is pending."""
         if not self._pending:
-            return
+            return None
+        tables = []
         for weight, acc in self._acc.values():
             if weight.grad is None:
-                weight.grad = self._grad_buffer(weight).copy_(acc)  # (never acc itself: it is zeroed next)
+                # (never acc itself: it is zeroed next)
+                weight.grad = self._grad_buffer(weight)
+                tables.append((weight.grad, acc, "copy"))
             else:
-                weight.grad.add_(acc)
-            acc.zero_()
+                tables.append((weight.grad, acc, "add"))
         self._pending = False
+        return EmbeddingFlush(tables)
 
     def _grad_buffer(self, weight: torch.nn.Parameter) -> torch.Tensor:
         entry = self._grads.get(id(weight))
@@ -217,3 +230,27 @@ class EmbeddingGradAccumulator:
         self._handles.clear()
         self._by_name.clear()
         self._pending = False
+
+
+class EmbeddingFlush(DeviceWork):
+    """The kernels of one :meth:`EmbeddingGradAccumulator.flush`: per table, ``grad`` <- ``acc``
+    (a gradient buffer the flush made the table's ``.grad``) or ``grad += acc`` (one autograd
+    made), then ``acc`` zeroed.  ``tables``: (grad, acc, "copy" or "add") per table."""
+
+    def __init__(self, tables: list[tuple[torch.Tensor, torch.Tensor, str]]):
+        self.tables = tables
+        self.key = ("embedding_flush", tuple(mode for _, _, mode in tables))
+
+    @torch.no_grad()
+    def launch(self) -> None:
+        for grad, acc, mode in self.tables:
+            if mode == "copy":
+                grad.copy_(acc)
+            else:
+                grad.add_(acc)
+            acc.zero_()
+
+    def written(self) -> list[tuple[str, torch.Tensor]]:
+        return [item for i, (grad, acc, _) in enumerate(self.tables)
+                for item in ((f"table{i}.grad", grad), (f"table{i}.accumulator", acc))]
+

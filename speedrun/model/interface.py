@@ -75,6 +75,17 @@ class TrainableModel(nn.Module):
     def flush_embedding_grads(self) -> None:
         """Hand embedding-table gradients accumulated in place to ``.grad`` (before an optimizer
         step that reads them)."""
+        work = self.prepare_embedding_flush()
+        if work is not None:
+            work.launch()
+            work.settle()
+
+    def prepare_embedding_flush(self):
+        """The host half of :meth:`flush_embedding_grads` (each table's ``.grad`` made to point at
+        the buffer the flush writes), returning its kernels as a
+        :class:`~speedrun.kernels.device_work.DeviceWork` to launch before the optimizer step, or
+        None when there is nothing to flush."""
+        return None
 
     @property
     def uses_fp8_weights(self) -> bool:
@@ -84,6 +95,15 @@ class TrainableModel(nn.Module):
     def after_optimizer_step(self) -> None:
         """The weights changed (an optimizer step, a load, a reset): rebuild what derives from them
         (FP8 weight copies)."""
+        work = self.prepare_after_optimizer_step()
+        if work is not None:
+            work.launch()
+            work.settle()
+
+    def prepare_after_optimizer_step(self):
+        """The host half of :meth:`after_optimizer_step`, returning its kernels as a
+        :class:`~speedrun.kernels.device_work.DeviceWork` (None: nothing to rebuild)."""
+        return None
 
     def end_step(self) -> None:
         """Close an optimizer step (step-synchronous FP8 activation scales)."""

@@ -61,6 +61,7 @@ from speedrun.attention import get_backend
 from speedrun.config import ModelConfig
 from speedrun.data.loader import bigram_hash
 from speedrun.errors import ConfigError
+from speedrun.kernels.device_work import DeviceWork
 from speedrun.model.embedding_grad import EmbeddingGradAccumulator
 from speedrun.model.interface import ForwardArgs, TrainableModel
 from speedrun.model.record_parts import (
@@ -543,10 +544,10 @@ class RecordGPT(TrainableModel):
     def uses_fp8_weights(self) -> bool:
         return self.cfg.kernels in ("fp8", "fp8_full") or self.cfg.qkv_path == "fused_fp8"
 
-    @torch.no_grad()
     def refresh_fp8_weights(self) -> None:
         """Re-quantise every FP8 weight the forward and backward use, once per optimizer update
-        (call right after ``optimizer.step`` and after any load of weights).
+        (call right after ``optimizer.step`` and after any load of weights):
+        :meth:`prepare_fp8_refresh`, then its launch.
 
         MLP: one dual-layout kernel over each half of ``mlp_bank`` (c_fc current-scaled, c_proj
         delayed after a bootstrap: :meth:`_new_mlp_weight_cache`).  Attention
@@ -556,45 +557,51 @@ class RecordGPT(TrainableModel):
         layouts (static scale), so the micro-batches of a step quantise it once instead of each.
         A forward that finds the weights changed since the last refresh raises instead of using
         stale FP8 copies."""
+        work = self.prepare_fp8_refresh()
+        if work is not None:
+            work.launch()
+            work.settle()
+
+    @torch.no_grad()
+    def prepare_fp8_refresh(self):
+        """The host half of :meth:`refresh_fp8_weights` (each weight's scaling rule, the caches'
+        counters and the version numbers the staleness checks compare), returning its kernels as
+        a :class:`~speedrun.kernels.device_work.DeviceWork` (None when the model has no FP8
+        weight copies).  Launch it, and settle it once the step's update is issued, before the
+        next forward."""
+        from speedrun.kernels.device_work import DeviceWorkChain
+
+        parts = []
         if self.cfg.kernels in ("fp8", "fp8_full"):
             if self._mlp_fp8 is None:
                 self._mlp_fp8 = self._new_mlp_weight_cache()
             L = self.num_layers
-            self._mlp_fp8.refresh({"fc": self.mlp_bank[:L, 0], "proj": self.mlp_bank[:L, 1]})
+            parts.append(self._mlp_fp8.prepare_refresh({"fc": self.mlp_bank[:L, 0], "proj": self.mlp_bank[:L, 1]}))
         if getattr(self.ce_impl, "use_fp8", False):
-            from speedrun.kernels.cross_entropy import W_SCALE, quantize_head_weight
-
-            # As FusedHead feeds the head: bf16, so the cached bits equal a per-call quantisation.
-            w = self.lm_head.to(torch.bfloat16).contiguous()
-            self._head_fp8 = quantize_head_weight(w, W_SCALE, out=self._head_fp8)
-            self._head_fp8_version = self.lm_head._version
+            parts.append(_HeadRefresh(self))
         if self.cfg.qkv_path == "fused_fp8":
-            from speedrun.kernels.qkv_pack import delayed_scale, pack_qkv_fp8, repack_qkv_fp8
+            parts.append(_QKVRefresh(self))
+        return DeviceWorkChain(parts) if parts else None
 
-            H = self.num_heads
-            sources = {}  # attention index j -> (w_qk, w_v, sa_lambda)
-            for i in self.attn_layers:
-                j = self.attn_index[i]
-                sources[j] = (self.qk_bank[j * H : (j + 1) * H], self.vo_bank[2 * j], self.scalars[2 * i])
-            if not self._qkv_replay and sorted(self._qkv_fp8) == sorted(sources):
-                # every update after the first: all layers delayed-scaled from their last amax, in one go
-                order = sorted(sources)
-                repack_qkv_fp8([self._qkv_fp8[j] for j in order], [sources[j] for j in order])
-            else:  # the first update, or the first after a resume (the saved scales replayed)
-                for j, (w_qk, w_v, sa) in sources.items():
-                    prev = self._qkv_fp8.get(j)
-                    if j in self._qkv_replay:
-                        scale = self._qkv_replay.pop(j)
-                    else:
-                        scale = None if prev is None else delayed_scale(prev.amax)
-                    packed = pack_qkv_fp8(w_qk, w_v, sa, num_heads=H, scale=scale,
-                                          out=None if prev is None else (prev.data, prev.data_t))
-                    if prev is not None:  # every tensor keeps its address (CUDA graphs read them)
-                        for name in ("scale", "raw_scale", "amax"):
-                            getattr(prev, name).copy_(getattr(packed, name))
-                        packed = prev
-                    self._qkv_fp8[j] = packed
-            self._qkv_fp8_versions[:] = self._qkv_sources_version()
+    def _pack_qkv_one_by_one(self, sources: dict) -> None:
+        """The packed QKV weights layer by layer: the first update (current scales), or the first
+        after a resume (the saved scales replayed); ``sources``: attention index -> (w_qk, w_v,
+        sa_lambda).  Every later update repacks all layers at once (:class:`_QKVRefresh`)."""
+        from speedrun.kernels.qkv_pack import delayed_scale, pack_qkv_fp8
+
+        for j, (w_qk, w_v, sa) in sources.items():
+            prev = self._qkv_fp8.get(j)
+            if j in self._qkv_replay:
+                scale = self._qkv_replay.pop(j)
+            else:
+                scale = None if prev is None else delayed_scale(prev.amax)
+            packed = pack_qkv_fp8(w_qk, w_v, sa, num_heads=self.num_heads, scale=scale,
+                                  out=None if prev is None else (prev.data, prev.data_t))
+            if prev is not None:  # every tensor keeps its address (CUDA graphs read them)
+                for name in ("scale", "raw_scale", "amax"):
+                    getattr(prev, name).copy_(getattr(packed, name))
+                packed = prev
+            self._qkv_fp8[j] = packed
 
     def _fp8_scale_states(self) -> list:
         states = self.mlp_impl.scale_states() if hasattr(self.mlp_impl, "scale_states") else []
@@ -731,6 +738,10 @@ class RecordGPT(TrainableModel):
         """Re-quantise the FP8 weight copies (:meth:`refresh_fp8_weights`) when any are used."""
         if self.uses_fp8_weights:
             self.refresh_fp8_weights()
+
+    def prepare_after_optimizer_step(self):
+        """:meth:`prepare_fp8_refresh` when FP8 weight copies are used, else None."""
+        return self.prepare_fp8_refresh() if self.uses_fp8_weights else None
 
     def end_step(self) -> None:
         """:meth:`end_fp8_step`."""
@@ -1075,12 +1086,15 @@ class RecordGPT(TrainableModel):
         if self._embedding_grads is not None:
             self._embedding_grads.discard()
 
-    def flush_embedding_grads(self) -> None:
-        """Hand the embedding tables' gradients accumulated since the last call to their ``.grad``
-        (the training step calls this before each optimizer step that reads them: the record's
-        Adam steps).  No-op with ``model.embedding_grad="autograd"``."""
-        if self._embedding_grads is not None:
-            self._embedding_grads.flush()
+    def prepare_embedding_flush(self):
+        """The host half of handing the embedding tables' gradients accumulated since the last
+        flush to their ``.grad`` (:meth:`EmbeddingGradAccumulator.prepare_flush
+        <speedrun.model.embedding_grad.EmbeddingGradAccumulator.prepare_flush>`); the training
+        step flushes before each optimizer step that reads them (the record's Adam steps).  None
+        with ``model.embedding_grad="autograd"`` or nothing pending."""
+        if self._embedding_grads is None:
+            return None
+        return self._embedding_grads.prepare_flush()
 
     def flush_weight_grads(self) -> None:
         """Hand the MLP bank's gradient summed in place over the step's micro-batches
@@ -1232,3 +1246,68 @@ class RecordGPT(TrainableModel):
         float32 (targets < 0 give 0)."""
         h = (self._hidden_fn or self.hidden)(batch, args)
         return self.eval_ce_impl(h, self.lm_head, batch.targets, softcap=self._softcap())
+
+
+class _HeadRefresh(DeviceWork):
+    """``lm_head`` in both e4m3 layouts (:func:`~speedrun.kernels.cross_entropy.quantize_head_weight`)
+    into the model's cached head weight; capturable once that exists."""
+
+    def __init__(self, model: RecordGPT):
+        self.model = model
+        self.key = ("head",) if model._head_fp8 is not None else None
+
+    @torch.no_grad()
+    def launch(self) -> None:
+        from speedrun.kernels.cross_entropy import W_SCALE, quantize_head_weight
+
+        m = self.model
+        # as FusedHead feeds the head: bf16, so the cached bits equal a per-call quantisation
+        head = quantize_head_weight(m.lm_head.to(torch.bfloat16).contiguous(), W_SCALE, out=m._head_fp8)
+        if m._head_fp8 is None:
+            m._head_fp8 = head
+
+    def settle(self) -> None:
+        self.model._head_fp8_version = self.model.lm_head._version
+
+    def written(self) -> list[tuple[str, torch.Tensor]]:
+        h = self.model._head_fp8
+        return [] if h is None else [("lm_head.fp8", h.data), ("lm_head.fp8_cm", h.data_cm)]
+
+
+class _QKVRefresh(DeviceWork):
+    """Every attention layer's packed FP8 QKV weight (``qkv_path="fused_fp8"``).  Capturable in
+    the steady state: all layers packed before and no saved scale to replay, so one
+    :func:`~speedrun.kernels.qkv_pack.repack_qkv_fp8` rewrites them in place, delayed-scaled."""
+
+    def __init__(self, model: RecordGPT):
+        self.model = model
+        H = model.num_heads
+        self.sources = {}  # attention index j -> (w_qk, w_v, sa_lambda)
+        for i in model.attn_layers:
+            j = model.attn_index[i]
+            self.sources[j] = (model.qk_bank[j * H : (j + 1) * H], model.vo_bank[2 * j], model.scalars[2 * i])
+        self.order = sorted(self.sources)
+        steady = not model._qkv_replay and sorted(model._qkv_fp8) == self.order
+        self.key = ("qkv", tuple(self.order)) if steady else None
+
+    @torch.no_grad()
+    def launch(self) -> None:
+        m = self.model
+        if self.key is None:
+            m._pack_qkv_one_by_one(self.sources)
+            return
+        from speedrun.kernels.qkv_pack import repack_qkv_fp8
+
+        repack_qkv_fp8([m._qkv_fp8[j] for j in self.order], [self.sources[j] for j in self.order])
+
+    def settle(self) -> None:
+        self.model._qkv_fp8_versions[:] = self.model._qkv_sources_version()
+
+    def written(self) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for j in self.order:
+            pk = self.model._qkv_fp8.get(j)
+            if pk is not None:
+                out += [(f"qkv{j}.{name}", getattr(pk, name)) for name in ("data", "data_t", "scale", "raw_scale", "amax")]
+        return out
+

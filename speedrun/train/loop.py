@@ -116,12 +116,17 @@ def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
         model.end_step()
     mark("fp8_step_end")
     model.flush_weight_grads()  # the MLP bank's, summed in place (model.mlp_weight_grad)
-    if recipe.embedding_grads_due(step):  # accumulated in place (model.embedding_grad)
-        model.flush_embedding_grads()
+    # the embedding tables' gradients, accumulated in place (model.embedding_grad): their flush
+    # is device work the update launches first (inside its CUDA graph when it has one)
+    flush = model.prepare_embedding_flush() if recipe.embedding_grads_due(step) else None
     if not recipe.grads_reduced_by_optimizer:
+        if flush is not None:
+            flush.launch()
+            flush.settle()
+            flush = None
         distributed.all_reduce_mean_([p.grad for p in model.parameters() if p.grad is not None], info)
     mark("grad_reduce")
-    recipe.optimizer_step(step, mark)  # marks "optimizer", then "fp8_refresh"
+    recipe.optimizer_step(step, mark, before=flush)  # marks "optimizer", then "fp8_refresh"
     # the next step's batches are built from here on, while the caller waits for the device rather
     # than while this thread issues the step (see TrainLoader.build_ahead)
     loader.build_ahead()

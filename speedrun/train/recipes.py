@@ -13,8 +13,10 @@ Interface used by the loop: ``stages``, ``stage_index(step)``, ``forward_args(st
 ``eval_args(step, final)``, ``before_step(step)``, ``note_batch(batch)`` (host work on each
 micro-batch as it is fetched, before its forward; never device work, and nothing that reads the
 device: it runs outside the step's CUDA graph, once per micro-batch, eager or replayed),
-``optimizer_step(step, mark=None)`` (``mark``: the loop's host phase tracer, called with
-"optimizer" once the update is issued and "fp8_refresh" once the FP8 weight copies are),
+``optimizer_step(step, mark=None, before=None)`` (``mark``: the loop's host phase tracer, called
+with "optimizer" once the update is issued and "fp8_refresh" once the FP8 weight copies are;
+``before``: device work the update must follow, the embedding tables' gradient flush, as a
+:class:`~speedrun.kernels.device_work.DeviceWork` whose host half has run),
 ``use_update_graphs(graphs)`` (launch the updates through CUDA graphs:
 :mod:`speedrun.train.update_graphs`), ``on_clock_start()``, ``sync_to(step)`` (after a reset or resume),
 ``embedding_grads_due(step)`` (whether the optimizer step reads the embedding tables' in-place
@@ -102,7 +104,10 @@ class CoreRecipe:
     def note_batch(self, batch) -> None:
         pass
 
-    def optimizer_step(self, step: int, mark=None) -> None:
+    def optimizer_step(self, step: int, mark=None, before=None) -> None:
+        if before is not None:
+            before.launch()
+            before.settle()
         self.optimizer.step(step)
         if mark is not None:
             mark("optimizer")
@@ -235,15 +240,26 @@ class RecordRecipe:
         if getattr(batch, "bigram_rows", None) is not None:
             self.optimizer.mark_rows("bigram_embed", batch.bigram_rows)
 
-    def optimizer_step(self, step: int, mark=None) -> None:
+    def optimizer_step(self, step: int, mark=None, before=None) -> None:
+        """The update, with ``before`` (device work, e.g. the embedding flush) ahead of it and the
+        FP8 weight copies' refresh after it: all three captured and replayed together when the
+        update runs through CUDA graphs (:meth:`use_update_graphs`)."""
         mark = mark or (lambda _: None)
         plan = self.optimizer.prepare(step)
+        after = self._prepare_fp8_refresh()
         if self.update_graphs is not None:
-            self.update_graphs.launch(plan)
+            self.update_graphs.launch(plan, before=before, after=after)
+            mark("optimizer")
         else:
+            if before is not None:
+                before.launch()
             self.optimizer.launch(plan)
-        mark("optimizer")
-        self._refresh_fp8()
+            mark("optimizer")
+            if after is not None:
+                after.launch()
+        for work in (before, after):
+            if work is not None:
+                work.settle()
         mark("fp8_refresh")
 
     def use_update_graphs(self, graphs) -> None:
@@ -253,9 +269,15 @@ class RecordRecipe:
 
     def _refresh_fp8(self) -> None:
         """FP8 weight copies follow every change of the weights, and only those."""
+        work = self._prepare_fp8_refresh()
+        if work is not None:
+            work.launch()
+            work.settle()
+
+    def _prepare_fp8_refresh(self):
         if self.model.uses_fp8_weights:
             self.fp8_refreshes += 1
-        self.model.after_optimizer_step()
+        return self.model.prepare_after_optimizer_step()
 
     def on_clock_start(self) -> None:
         """The record builds the prefix table inside the timed region."""

@@ -18,6 +18,14 @@ buffer).  A gradient or a state tensor at a new address makes a new key, which r
 is captured at its second sight, as step keys are (:mod:`speedrun.train.graphs`).
 The untie step (a one-off change of the optimizer's layout) always runs eagerly.
 
+The device work the recipe puts around the update is captured with it, so a replayed step
+launches nothing outside its two graphs: before it, on Adam steps, the flush of the embedding
+tables' accumulated gradients into their ``.grad``; after it, the refresh of the FP8 weight copies.
+Each comes as a :class:`~speedrun.kernels.device_work.DeviceWork` whose host half (which scaling
+rule, which buffer becomes ``.grad``, counters) has run; its key and the addresses it writes join
+the update key, and a piece that must run eagerly (a first refresh allocating its copies, a
+resume's saved scales) makes the whole update eager that step.
+
 Capture and self-check mirror the step graphs': the eager update runs twice from a snapshot of
 everything it writes (weights, optimizer state, the gradients it modifies), to measure its own
 run-to-run difference; the snapshot goes back, the update is captured and replayed, and the
@@ -83,13 +91,16 @@ class UpdateGraphs:
         self._watch = AddressWatch([("optimizer", optimizer)])  # the update key's fingerprint
         self._sightings: dict[tuple, int] = {}
 
-    def launch(self, plan) -> None:
-        """The update ``plan`` (from ``optimizer.prepare``): replayed, captured or eager."""
+    def launch(self, plan, before=None, after=None) -> None:
+        """The update ``plan`` (from ``optimizer.prepare``) with the device work ``before`` and
+        ``after`` it (:class:`~speedrun.kernels.device_work.DeviceWork` whose host halves have
+        run: the embedding tables' gradient flush, the FP8 weight copies' refresh): replayed,
+        captured or eager, all three together.  Settling the work is the caller's."""
         opt = self.optimizer
-        key = self._key(plan)
+        key = self._key(plan, before, after)
         if key is None:
             self.stats.eager_updates += 1
-            opt.launch(plan)
+            self._launch_eagerly(plan, before, after)
             return
         captured = self._updates.get(key)
         if captured is None:
@@ -98,11 +109,11 @@ class UpdateGraphs:
             seen = self._sightings[key] = self._sightings.get(key, 0) + 1
             if seen < CAPTURE_ON_SIGHT:
                 self.stats.eager_updates += 1
-                opt.launch(plan)
+                self._launch_eagerly(plan, before, after)
                 return
             with self.pause():
                 t0 = time.perf_counter()
-                captured = self._capture(key, plan)
+                captured = self._capture(key, plan, before, after)
                 self.stats.capture_s += time.perf_counter() - t0
             self._sightings.pop(key, None)
             captured.graph.replay()  # the capture undid its own replay: the update itself, on the clock
@@ -111,6 +122,21 @@ class UpdateGraphs:
             captured.replays += 1
             self.stats.replayed_updates += 1
         opt.release_grads(plan)
+
+    def _launch_eagerly(self, plan, before, after) -> None:
+        if before is not None:
+            before.launch()
+        self.optimizer.launch(plan)
+        if after is not None:
+            after.launch()
+
+    def _launch_kernels(self, plan, before, after) -> None:
+        """What a capture holds: the kernels of ``before``, the update and ``after``, in order."""
+        if before is not None:
+            before.launch()
+        self.optimizer.launch_kernels(plan)
+        if after is not None:
+            after.launch()
 
     # -- keys --------------------------------------------------------------------------------------
 
@@ -123,10 +149,19 @@ class UpdateGraphs:
             grads.append(entries[self.optimizer.tied[1]].param.grad)
         return grads
 
-    def _key(self, plan) -> tuple | None:
+    def _key(self, plan, before=None, after=None) -> tuple | None:
         if plan.untie:
             return None
-        return plan.structure, tuple(g.data_ptr() for g in self._reads(plan)), self._watch.fingerprint()
+        around = []
+        for work in (before, after):
+            if work is None:
+                around.append(None)
+            elif work.key is None:
+                return None  # it must run eagerly, and the update with it
+            else:
+                around.append((work.key, tuple(t.data_ptr() for _, t in work.written())))
+        return (plan.structure, tuple(g.data_ptr() for g in self._reads(plan)), self._watch.fingerprint(),
+                tuple(around))
 
     # -- capture -----------------------------------------------------------------------------------
 
@@ -171,43 +206,53 @@ class UpdateGraphs:
                 out.append((name, t))
         return out
 
-    def _capture(self, key: tuple, plan) -> CapturedUpdate:
+    def _capture(self, key: tuple, plan, before=None, after=None) -> CapturedUpdate:
         opt, cap = self.optimizer, self._capturer()
-        written = self._written(plan)
+        around = [(f"{where}: {name}", t) for where, work in (("before", before), ("after", after))
+                  if work is not None for name, t in work.written()]
+        written = self._written(plan) + around
         cap.synchronize()
-        before = [t.detach().clone() for _, t in written]
+        before_state = [t.detach().clone() for _, t in written]
 
         def restore() -> None:
-            for (_, t), saved in zip(written, before):
+            for (_, t), saved in zip(written, before_state):
                 t.copy_(saved)
 
+        def compared() -> list[tuple[str, torch.Tensor]]:
+            return self._compared(plan) + around
+
+        def run() -> None:
+            self._launch_kernels(plan, before, after)
+
         with cap.on_side_stream():
-            opt.launch_kernels(plan)
+            run()
         cap.synchronize()
-        eager = [t.detach().clone() for _, t in self._compared(plan)] if self.check else []
+        eager = [t.detach().clone() for _, t in compared()] if self.check else []
         noise = [0.0] * len(eager)
         if self.check:  # its own run-to-run difference
             restore()
             with cap.on_side_stream():
-                opt.launch_kernels(plan)
+                run()
             cap.synchronize()
-            noise = [_relative_error(t, e) for (_, t), e in zip(self._compared(plan), eager)]
+            noise = [_relative_error(t, e) for (_, t), e in zip(compared(), eager)]
         restore()
         cap.synchronize()
-        graph = cap.capture(lambda: opt.launch_kernels(plan))
+        graph = cap.capture(run)
         graph.replay()
         cap.synchronize()
         captured = CapturedUpdate(graph, self._reads(plan))
         if self.check:
             labels = ", ".join(plan.stepping)
             what = f"the optimizer update of step {plan.step_index} ({'with' if plan.do_adam else 'without'} Adam: {labels})"
-            compared = self._compared(plan)
-            captured.check = compare_replay(what, [n for n, _ in compared], [t for _, t in compared], eager, noise)
+            if around:
+                what += " with the device work around it"
+            items = compared()
+            captured.check = compare_replay(what, [n for n, _ in items], [t for _, t in items], eager, noise)
             self.stats.check_worst = max(self.stats.check_worst, captured.check["worst_rel_err"])
             self.stats.check_noise = max(self.stats.check_noise, captured.check["worst_eager_noise"])
         restore()  # the caller replays the update on the clock
         cap.synchronize()
-        del before, eager
+        del before_state, eager
         cap.reset_peak()
         self._updates[key] = captured
         self.stats.update_captures += 1
