@@ -50,7 +50,9 @@ if [ -d .carry ] && ls .carry/*.xz >/dev/null 2>&1; then
 fi
 [ -d .carry/gpt2 ] && export SPEEDRUN_TOKENIZER_DIR=$PWD/.carry/gpt2
 # optional packages carried as wheels (.whl/, git-ignored), e.g. nvidia-cudnn-frontend for the cudnn backend
-if ls .whl/*.whl >/dev/null 2>&1; then
+# (not again where an earlier part or an upstream run on its cuDNN shim installed them: a reinstall
+# would replace files a running process imports)
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/cudnn ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi

@@ -28,7 +28,7 @@ log() { echo "== $(date -u +%H:%M:%S) $*"; }
 # Use another UP_DIR per backend, e.g. UP_DIR=/tmp/upc SPEEDRUN_SHIM_BACKEND=cudnn.
 export SPEEDRUN_SHIM_BACKEND=${SPEEDRUN_SHIM_BACKEND:-varlen}
 if [ "$SPEEDRUN_SHIM_BACKEND" = cudnn ]; then
-  if ls "$R"/.whl/*.whl > /dev/null 2>&1; then
+  if ls "$R"/.whl/*.whl > /dev/null 2>&1 && [ ! -d /tmp/site/cudnn ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$R"/.whl/*.whl
   fi
   export PYTHONPATH=$R:/tmp/site:${PYTHONPATH:-}
