@@ -9,7 +9,21 @@ import random
 import pytest
 import torch
 
+from speedrun.kernels.addressing import AddressVersioned
 from speedrun.train.addresses import AddressWatch, address_fingerprint
+
+
+class _Scales(AddressVersioned):
+    """A versioned state object: the watch checks its address_version, not what it holds."""
+
+    address_transient = ("_handoff",)
+
+    def __init__(self):
+        self.amax = torch.zeros(())
+        self.acc = None
+        self.entries = {"x": torch.zeros(())}
+        self.calls = 0
+        self._handoff = None
 
 
 class _Inner(torch.nn.Module):
@@ -30,6 +44,7 @@ class _Holder(torch.nn.Module):
         self.pair = (torch.zeros(2), "x")
         self.lazy = None
         self.ratio = 1
+        self.scales = _Scales()
 
 
 def _roots(m):
@@ -62,6 +77,14 @@ MUTATIONS = {
     "submodule replaced": (lambda m: m.layers.__setitem__(0, _Inner()), True),
     "attribute added": (lambda m: setattr(m.inner, "state", {"t": torch.zeros(1)}), True),
     "tuple rebound": (lambda m: setattr(m, "pair", (torch.zeros(2), "x")), True),
+    "versioned: in-place write": (lambda m: m.scales.amax.fill_(1.0), False),
+    "versioned: counter": (lambda m: setattr(m.scales, "calls", m.scales.calls + 1), False),
+    "versioned: tensor rebound": (lambda m: setattr(m.scales, "amax", torch.zeros(())), True),
+    "versioned: None to tensor": (lambda m: setattr(m.scales, "acc", torch.zeros(())), True),
+    "versioned: entry replaced, noted": (lambda m: (m.scales.entries.__setitem__("x", torch.zeros(())),
+                                                    m.scales.note_address_change()), True),
+    "versioned: transient state": (lambda m: setattr(m.scales, "_handoff", (torch.zeros(2),)), False),
+    "versioned: object replaced": (lambda m: setattr(m, "scales", _Scales()), True),
 }
 
 
@@ -92,6 +115,34 @@ def test_the_watch_matches_a_fresh_walk_under_random_changes():
                 except (KeyError, IndexError):  # e.g. an entry already removed
                     pass
             assert watch.fingerprint() == address_fingerprint(_roots(m)), (trial, name)
+
+
+def test_the_watch_checks_a_versioned_object_by_its_version_alone():
+    """What a versioned object holds adds to the fingerprint, not to the per-step check."""
+    m = _Holder()
+    watch = AddressWatch(_roots(m))
+    watch.fingerprint()
+    checked = watch.checked_entries
+    m.scales.entries.update({f"t{i}": torch.zeros(()) for i in range(50)})
+    m.scales.note_address_change()
+    assert len(watch.fingerprint()) == len(address_fingerprint(_roots(m)))
+    assert watch.checked_entries == checked
+
+
+def test_a_step_scale_binds_its_tensors_once():
+    from speedrun.kernels.fp8_cache import InputScaling, StepScale
+
+    entry = StepScale(torch.ones(()), 0.5, torch.zeros(()))
+    entry.version = 3  # a counter: rebinding it is fine
+    with pytest.raises(AttributeError, match="bound once"):
+        entry.scale = torch.zeros(())
+    state = InputScaling(input_scaling="delayed", x_amax=torch.ones(()))
+    before = state.address_version
+    state.step_scale("x")  # a new entry: new tensors behind the state
+    assert state.address_version > before
+    before = state.address_version
+    state.step_scale("x")  # the same entry
+    assert state.address_version == before
 
 
 RECORD = ["model.kernels=fp8", "model.mlp_input_quant=graph", "model.mlp_weight_grad=accumulate"]

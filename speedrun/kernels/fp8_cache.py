@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from speedrun.kernels._triton import cdiv, interpreting, launch, next_pow2, sm_count, triton_usable  # noqa: F401
+from speedrun.kernels.addressing import AddressVersioned
 from speedrun.kernels.device_work import DeviceWork
 from speedrun.kernels.launch_notes import launch_note
 
@@ -553,11 +554,18 @@ INPUT_SCALINGS = ("current", "delayed")
 
 class StepScale:
     """One slot's step scale ``max(amax, 1e-12) * factor`` (0-d fp32) in a tensor whose address
-    never changes, and the amax version it was computed from."""
+    never changes, and the amax version it was computed from.  ``amax`` and ``scale`` are bound
+    once: the :class:`InputScaling` holding this entry vouches for its addresses
+    (:class:`~speedrun.kernels.addressing.AddressVersioned`), and replaces the entry to change them."""
 
     def __init__(self, amax: torch.Tensor, factor: float, scale: torch.Tensor):
         self.amax, self.factor, self.scale = amax, float(factor), scale
         self.version = amax._version
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("amax", "scale") and name in self.__dict__:
+            raise AttributeError(f"StepScale.{name} is bound once (its holder's address version counts on it)")
+        object.__setattr__(self, name, value)
 
     def update(self) -> None:
         """Recompute in place (the same arithmetic as :func:`headroom_scale`)."""
@@ -566,7 +574,7 @@ class StepScale:
 
 
 @dataclass(kw_only=True)
-class InputScaling:
+class InputScaling(AddressVersioned):
     """FP8 scaling of one layer's activation input ``x`` (e4m3) and output gradient ``g`` (e5m2),
     and the step-synchronous bookkeeping of delayed scales (subclasses add their own slots).
 
@@ -581,7 +589,13 @@ class InputScaling:
     same scale, and N ranks take the same steps as one rank with accumulation.  Until a slot's
     first step end (``*_ready`` False) it uses current scaling per call.  Values above a scale's
     range saturate (a jump is clipped for one step).  0-d fp32 device tensors; no host sync.
+
+    Its ``address_version`` (:class:`~speedrun.kernels.addressing.AddressVersioned`) counts every
+    change of the tensors it holds, so the CUDA graphs' address watch checks one number per layer
+    and slot; the gradient handover lives within one backward and is not watched.
     """
+
+    address_transient = ("_handoff",)
 
     input_scaling: str = "current"
     input_headroom: float = INPUT_HEADROOM
@@ -620,6 +634,7 @@ class InputScaling:
         if entry is None or entry.amax is not amax:
             headroom, fmax = self.slot_scaling(slot)
             entry = self._step_scales[slot] = StepScale(amax, headroom / fmax, headroom_scale(amax, headroom, fmax))
+            self.note_address_change()
         elif entry.version != amax._version:
             entry.update()
         return entry.scale
@@ -638,6 +653,9 @@ class InputScaling:
         for name, value in state.items():
             current = getattr(self, name)
             if isinstance(value, (set, dict)) and type(current) is type(value):
+                if isinstance(value, dict) and (current.keys() != value.keys()
+                                                or any(current[k] is not v for k, v in value.items())):
+                    self.note_address_change()  # other entries: other tensors
                 current.clear()
                 current.update(value)
             else:
@@ -765,7 +783,7 @@ def quantize_current_reference(
 
 
 @dataclass(eq=False)
-class FP8Weight:
+class FP8Weight(AddressVersioned):
     """One cached weight (or a batch of them): both FP8 layouts and the dequantisation scale.
 
     ``data`` (.., R, C) row-major, ``data_t`` (.., C, R) contiguous, ``scale`` fp32 0-d or (B,),

@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from speedrun.kernels._triton import cdiv, interpreting, launch, triton_usable
+from speedrun.kernels.addressing import AddressVersioned
 from speedrun.kernels.fp8_cache import (
     current_scale,
     E4M3,
@@ -149,12 +150,14 @@ def delayed_scale(amax: torch.Tensor, headroom: float = WEIGHT_HEADROOM) -> torc
 
 
 @dataclass(frozen=True)
-class PackedQKV:
+class PackedQKV(AddressVersioned):
     """An FP8 packed QKV weight (see the module docstring for the column order).
 
     ``data`` (N, D) e4m3 row-major; ``data_t`` (D, N) e4m3 contiguous; ``scale`` 0-d fp32 with
     ``data * scale ~= sa_lambda * W_packed``; ``raw_scale`` 0-d fp32 (without sa); ``amax`` 0-d fp32
     ``max |w|`` over Q, K, V as read by the kernel (feed :func:`delayed_scale` next update).
+    Frozen, so its ``address_version`` never moves: the CUDA graphs' address watch checks that
+    number instead of its five tensors (:mod:`speedrun.kernels.addressing`).
     """
 
     data: torch.Tensor

@@ -11,7 +11,8 @@ The walk enters nn.Modules (their attributes, parameters, buffers and submodules
 and hook tables are skipped), objects of this package (their ``__dict__``), dicts, lists and
 tuples, each object once, depth first in attribute order; it never enters a tensor (a ``.grad``
 is not included).  Anything else (numbers, strings, None, functions, other libraries' objects) is
-a leaf.
+a leaf (:func:`speedrun.kernels.addressing.value_kind`).  An object's ``address_transient``
+attributes (state within one micro-batch) are left out.
 
 The fingerprint is taken every step, so its cost is host time of every step.
 :class:`AddressWatch` keeps it cheap: it walks once and records each edge the walk followed
@@ -22,7 +23,9 @@ fingerprint stands.  The check is a few C-level passes over flat lists instead o
 per object; anything it finds changed makes it walk again.  So the state a step leaves must keep
 its containers: an object rebuilt around the same tensors every step (a fresh tuple, a new
 wrapper) is no error, but it costs a full walk each time (``tests/test_addresses.py`` checks that
-the presets' state settles).
+the presets' state settles).  Behind an :class:`~speedrun.kernels.addressing.AddressVersioned`
+object (the FP8 scale states and weight copies, most of the candidate's tensors) the watch checks
+only its ``address_version``, which the object advances itself whenever what it reaches changes.
 """
 
 from __future__ import annotations
@@ -32,28 +35,10 @@ from typing import Any, Sequence
 
 import torch
 
+from speedrun.kernels.addressing import (DICT as _DICT, MODULE as _MODULE, SEQUENCE as _SEQUENCE, SKIP as _SKIP,
+                                         TENSOR as _TENSOR, AddressVersioned, value_kind as _kind, walked_attributes)
+
 __all__ = ["AddressWatch", "address_fingerprint", "reachable_tensors"]
-
-# Values a walk for tensors never enters.
-_LEAF_TYPES = (str, bytes, int, float, bool, type(None), torch.device, torch.dtype)
-
-# How the walk treats a value, by its type (see _kind).
-_SKIP, _TENSOR, _DICT, _SEQUENCE, _MODULE, _OBJECT = range(6)
-
-
-def _kind(tp: type) -> int:
-    if issubclass(tp, _LEAF_TYPES):
-        return _SKIP
-    if issubclass(tp, torch.Tensor):
-        return _TENSOR
-    if issubclass(tp, dict):
-        return _DICT
-    if issubclass(tp, (list, tuple)):
-        return _SEQUENCE
-    if issubclass(tp, torch.nn.Module):
-        return _MODULE
-    return _OBJECT if tp.__module__.startswith("speedrun.") else _SKIP
-
 
 def _module_attribute_skipped(name: str) -> bool:
     """A module's compiled forms and hook tables hold no state of its own."""
@@ -96,7 +81,7 @@ def reachable_tensors(roots: Sequence[tuple[str, Any]], *, paths: bool = False,
                 elif not _module_attribute_skipped(name):
                     visit(v, f"{path}.{name}")
         else:
-            for name, v in (getattr(obj, "__dict__", None) or {}).items():
+            for name, v in walked_attributes(obj).items():
                 visit(v, f"{path}.{name}")
 
     for name, root in roots:
@@ -112,6 +97,7 @@ def address_fingerprint(roots: Sequence[tuple[str, Any]]) -> tuple[int, ...]:
 
 
 _data_ptr = torch.Tensor.data_ptr
+_address_version = operator.attrgetter("address_version")
 
 
 class AddressWatch:
@@ -138,62 +124,81 @@ class AddressWatch:
             leaves = map(type, map(operator.getitem, self._leaf_holders, self._leaf_keys))
             if not all(map(self._leaf_types.__contains__, leaves)):
                 return False
-            if list(map(_data_ptr, map(operator.getitem, self._tensor_holders, self._tensor_keys))) != self._ptrs:
+            if list(map(_data_ptr, map(operator.getitem, self._tensor_holders, self._tensor_keys))) != self._checked_ptrs:
+                return False
+            if list(map(_address_version, self._versioned)) != self._versions:
                 return False
         except (KeyError, IndexError, TypeError):  # an entry went away; a tensor's place holds something else
             return False
         return list(map(len, self._sized)) == self._sizes
 
     def _record(self) -> None:
-        """The walk of :func:`reachable_tensors`, noting every edge, leaf and container size on the way."""
+        """The walk of :func:`reachable_tensors`, noting every edge, leaf and container size on the
+        way; inside an :class:`~speedrun.kernels.addressing.AddressVersioned` object only the
+        addresses (for the fingerprint) and the versions of the versioned objects in it."""
         holders, keys, found = [], [], []  # holder[key] is found (identity)
         leaf_holders, leaf_keys, leaf_types = [], [], set()  # holder[key] has a leaf's type
-        tensor_holders, tensor_keys, ptrs = [], [], []  # holder[key] is a tensor at this address
+        tensor_holders, tensor_keys, checked_ptrs = [], [], []  # holder[key] is a tensor at this address
+        ptrs: list[int] = []  # every tensor's address, in the walk's order: the fingerprint
+        versioned, versions = [], []  # versioned objects and their address_version
         sized: list = []  # containers whose length must not change
         seen: set[int] = set()
         kinds: dict[type, int] = {}
 
-        def edge(holder, key, value) -> None:
+        def edge(holder, key, value, checked: bool) -> None:
             tp = type(value)
             kind = kinds.get(tp)
             if kind is None:
                 kind = kinds[tp] = _kind(tp)
             if kind == _SKIP:
-                leaf_holders.append(holder)
-                leaf_keys.append(key)
-                leaf_types.add(tp)
+                if checked:
+                    leaf_holders.append(holder)
+                    leaf_keys.append(key)
+                    leaf_types.add(tp)
             elif kind == _TENSOR:  # by address: a new view of the same memory changes nothing
-                tensor_holders.append(holder)
-                tensor_keys.append(key)
-                ptrs.append(value.data_ptr())
+                ptr = value.data_ptr()
+                ptrs.append(ptr)
+                if checked:
+                    tensor_holders.append(holder)
+                    tensor_keys.append(key)
+                    checked_ptrs.append(ptr)
             else:
-                holders.append(holder)
-                keys.append(key)
-                found.append(value)
-                enter(value, kind)
+                if checked:
+                    holders.append(holder)
+                    keys.append(key)
+                    found.append(value)
+                enter(value, kind, checked)
 
-        def enter(obj: Any, kind: int) -> None:
+        def enter(obj: Any, kind: int, checked: bool) -> None:
             if id(obj) in seen:
                 return
             seen.add(id(obj))
             if kind == _DICT:
-                sized.append(obj)
+                if checked:
+                    sized.append(obj)
                 for k, v in obj.items():
-                    edge(obj, k, v)
+                    edge(obj, k, v, checked)
             elif kind == _SEQUENCE:
-                sized.append(obj)
+                if checked:
+                    sized.append(obj)
                 for i, v in enumerate(obj):
-                    edge(obj, i, v)
+                    edge(obj, i, v, checked)
             elif kind == _MODULE:
                 attrs = vars(obj)
-                sized.append(attrs)
+                if checked:
+                    sized.append(attrs)
                 for name, v in attrs.items():
                     if name == "_parameters" or name == "_buffers":
-                        holders.append(attrs)
-                        keys.append(name)
-                        found.append(v)
-                        sized.append(v)
+                        if checked:
+                            holders.append(attrs)
+                            keys.append(name)
+                            found.append(v)
+                            sized.append(v)
                         for n, t in v.items():
+                            if t is not None:
+                                ptrs.append(t.data_ptr())
+                            if not checked:
+                                continue
                             if t is None:
                                 leaf_holders.append(v)
                                 leaf_keys.append(n)
@@ -201,29 +206,43 @@ class AddressWatch:
                             else:
                                 tensor_holders.append(v)
                                 tensor_keys.append(n)
-                                ptrs.append(t.data_ptr())
+                                checked_ptrs.append(ptrs[-1])
                     elif name == "_modules":
-                        holders.append(attrs)
-                        keys.append(name)
-                        found.append(v)
-                        sized.append(v)
+                        if checked:
+                            holders.append(attrs)
+                            keys.append(name)
+                            found.append(v)
+                            sized.append(v)
                         for n, m in v.items():
-                            edge(v, n, m)
+                            edge(v, n, m, checked)
                     elif not _module_attribute_skipped(name):
-                        edge(attrs, name, v)
+                        edge(attrs, name, v, checked)
             else:
+                if isinstance(obj, AddressVersioned):  # its version stands for what it holds
+                    versioned.append(obj)
+                    versions.append(obj.address_version)
+                    checked = False
                 attrs = getattr(obj, "__dict__", None)
                 if attrs is not None:
-                    sized.append(attrs)
-                    for name, v in attrs.items():
-                        edge(attrs, name, v)
+                    if checked:
+                        sized.append(attrs)
+                    for name, v in walked_attributes(obj).items():
+                        edge(attrs, name, v, checked)
 
         root_list = [root for _, root in self.roots]
         for i, root in enumerate(root_list):
-            edge(root_list, i, root)
+            edge(root_list, i, root, True)
         self._holders, self._keys, self._found = holders, keys, found
         self._leaf_holders, self._leaf_keys, self._leaf_types = leaf_holders, leaf_keys, frozenset(leaf_types)
-        self._tensor_holders, self._tensor_keys, self._ptrs = tensor_holders, tensor_keys, ptrs
+        self._tensor_holders, self._tensor_keys, self._checked_ptrs = tensor_holders, tensor_keys, checked_ptrs
+        self._versioned, self._versions = versioned, versions
         self._sized, self._sizes = sized, [len(c) for c in sized]
         self._fingerprint = tuple(ptrs)
         self.walks += 1
+
+    @property
+    def checked_entries(self) -> int:
+        """How many entries each :meth:`fingerprint` checks (edges, leaves, tensors, versions and
+        container sizes): the host work of a step's key."""
+        return (len(self._holders) + len(self._leaf_holders) + len(self._tensor_holders) + len(self._versioned)
+                + len(self._sized))
