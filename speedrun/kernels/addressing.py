@@ -76,13 +76,24 @@ class AddressVersioned:
         d = self.__dict__
         old = d.get(name, _MISSING)
         if (old is not value and name != "address_version" and name not in type(self).address_transient
-                and not (value_kind(type(old)) == SKIP and value_kind(type(value)) == SKIP)):
+                and (_kind_of(type(old)) != SKIP or _kind_of(type(value)) != SKIP)):
             d["address_version"] = d.get("address_version", 0) + 1
         object.__setattr__(self, name, value)
 
     def note_address_change(self) -> None:
         """Count a change the attribute assignments did not show (a container changed in place)."""
         self.__dict__["address_version"] = self.__dict__.get("address_version", 0) + 1
+
+
+_KINDS: dict[type, int] = {}
+
+
+def _kind_of(tp: type) -> int:
+    """:func:`value_kind`, remembered per type (every attribute assignment of a versioned object asks)."""
+    kind = _KINDS.get(tp)
+    if kind is None:
+        kind = _KINDS[tp] = value_kind(tp)
+    return kind
 
 
 class _Missing:

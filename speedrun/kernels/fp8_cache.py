@@ -652,12 +652,14 @@ class InputScaling(AddressVersioned):
         # (speedrun.train.addresses), which then walks the whole model again
         for name, value in state.items():
             current = getattr(self, name)
+            if current is value:
+                continue
             if isinstance(value, (set, dict)) and type(current) is type(value):
-                if isinstance(value, dict) and (current.keys() != value.keys()
-                                                or any(current[k] is not v for k, v in value.items())):
-                    self.note_address_change()  # other entries: other tensors
-                current.clear()
-                current.update(value)
+                if value != current:  # (a dict's entries compare by identity)
+                    if isinstance(value, dict):
+                        self.note_address_change()  # other entries: other tensors
+                    current.clear()
+                    current.update(value)
             else:
                 setattr(self, name, value.copy() if isinstance(value, (set, dict)) else value)
 
