@@ -51,8 +51,11 @@ def test_graph_steps_train_as_the_eager_loop(tmp_path, switches, compile_):
     assert summary["replayed_steps"] >= 40 - 4 * (STEPS_UNTIL_REPLAY + 1), summary
     assert summary["captures"] >= 8 and summary["check_worst_rel_err"] <= CHECK_TOLERANCE, summary
     # the optimizer's updates: their keys hold the gradients' addresses (the run-long buffers, the
-    # same in every stage) and the plan (Adam or not, tied or split): most of them replayed
-    assert summary["update_captures"] >= 2 and summary["replayed_updates"] >= 20, summary
+    # same in every stage), the plan (Adam or not, tied or split) and the device work captured with
+    # the update (the flush on Adam steps, the FP8 refresh and its scaling rule, which changes after
+    # the weight caches' first refreshes), so some keys come and go early: 6 captures and 19 of 40
+    # updates replayed for both presets on an H100 (docs/results/2026-12-07-rank-of-8-host-at-head-h100)
+    assert summary["update_captures"] >= 2 and summary["replayed_updates"] >= 16, summary
     if compile_:
         assert "compilations during the timed region: 0" in log
 
