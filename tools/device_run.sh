@@ -52,9 +52,10 @@ fi
 # optional packages carried as wheels (.whl/, git-ignored), e.g. nvidia-cudnn-frontend for the cudnn backend
 # (not again where an earlier part or an upstream run on its cuDNN shim installed them: a reinstall
 # would replace files a running process imports)
-if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/cudnn ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+if ls .whl/*.whl >/dev/null 2>&1; then
+  [ -d /tmp/site/cudnn ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+  [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 for part in $parts; do
   case $part in

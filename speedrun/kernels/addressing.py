@@ -22,6 +22,8 @@ lives within one micro-batch and is gone at every step boundary, where keys are 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["AddressVersioned", "LEAF_TYPES", "SKIP", "TENSOR", "DICT", "SEQUENCE", "MODULE", "OBJECT",
@@ -34,10 +36,12 @@ LEAF_TYPES = (str, bytes, int, float, bool, type(None), torch.device, torch.dtyp
 SKIP, TENSOR, DICT, SEQUENCE, MODULE, OBJECT = range(6)
 
 
+@functools.cache
 def value_kind(tp: type) -> int:
     """What the walk does with a value of type ``tp``: skip it (a leaf), record it (a tensor),
     or enter it (a dict, a list or tuple, an nn.Module, an object of this package or any
-    :class:`AddressVersioned` one)."""
+    :class:`AddressVersioned` one).  Remembered per type: every walk and every attribute
+    assignment of a versioned object asks."""
     if issubclass(tp, LEAF_TYPES):
         return SKIP
     if issubclass(tp, torch.Tensor):
@@ -76,24 +80,13 @@ class AddressVersioned:
         d = self.__dict__
         old = d.get(name, _MISSING)
         if (old is not value and name != "address_version" and name not in type(self).address_transient
-                and (_kind_of(type(old)) != SKIP or _kind_of(type(value)) != SKIP)):
+                and (value_kind(type(old)) != SKIP or value_kind(type(value)) != SKIP)):
             d["address_version"] = d.get("address_version", 0) + 1
         object.__setattr__(self, name, value)
 
     def note_address_change(self) -> None:
         """Count a change the attribute assignments did not show (a container changed in place)."""
         self.__dict__["address_version"] = self.__dict__.get("address_version", 0) + 1
-
-
-_KINDS: dict[type, int] = {}
-
-
-def _kind_of(tp: type) -> int:
-    """:func:`value_kind`, remembered per type (every attribute assignment of a versioned object asks)."""
-    kind = _KINDS.get(tp)
-    if kind is None:
-        kind = _KINDS[tp] = value_kind(tp)
-    return kind
 
 
 class _Missing:

@@ -40,6 +40,7 @@ from speedrun.kernels.addressing import (DICT as _DICT, MODULE as _MODULE, SEQUE
 
 __all__ = ["AddressWatch", "address_fingerprint", "reachable_tensors"]
 
+
 def _module_attribute_skipped(name: str) -> bool:
     """A module's compiled forms and hook tables hold no state of its own."""
     return name.startswith("_compiled") or name.endswith("_hooks")
@@ -143,13 +144,10 @@ class AddressWatch:
         versioned, versions = [], []  # versioned objects and their address_version
         sized: list = []  # containers whose length must not change
         seen: set[int] = set()
-        kinds: dict[type, int] = {}
 
         def edge(holder, key, value, checked: bool) -> None:
             tp = type(value)
-            kind = kinds.get(tp)
-            if kind is None:
-                kind = kinds[tp] = _kind(tp)
+            kind = _kind(tp)
             if kind == _SKIP:
                 if checked:
                     leaf_holders.append(holder)
