@@ -48,6 +48,33 @@ def test_host_bench_without_a_gpu_says_so(capsys, monkeypatch):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def _load_bench(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, [s for s in PY_BENCHES if s.name == name + ".py"][0])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_graph_launch_bench_checks_its_arguments_and_fits_a_line(capsys, monkeypatch):
+    """bench_graph_launch refuses bad arguments and a machine without a GPU with a message, and
+    its fit recovers a known line (fixed cost + cost per node) and refuses a single node count."""
+    import torch
+
+    mod = _load_bench("bench_graph_launch")
+    assert mod.main(["--nodes", "0", "10"]) == 2
+    assert mod.main(["--nodes", "10", "10"]) == 2
+    assert mod.main(["--reps", "3"]) == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert mod.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    fixed, slope = mod.fit_line([1, 10, 100, 1000], [3.0 + 0.25 * n for n in (1, 10, 100, 1000)])
+    assert fixed == pytest.approx(3.0) and slope == pytest.approx(0.25)
+    with pytest.raises(ValueError):
+        mod.fit_line([5, 5], [1.0, 2.0])
+
+
 def test_replay_host_bench_traces_replayed_steps_without_a_walk(capsys, use_builtin_cache, kernels_use_references):
     """bench_replay_host runs a preset's steps through StepGraphs with a replay that launches
     nothing, and reports per-micro-batch host time from replayed steps only (it refuses to report
