@@ -58,8 +58,8 @@ def test_summary_gives_the_host_time_per_micro_batch():
                              "forward": PhaseTiming(10.0, count=4), "backward": PhaseTiming(6.0, count=4),
                              "after_backward": PhaseTiming(2.0, count=4), "optimizer": PhaseTiming(9.0)})
     replayed = StepTrace(20.0, {"setup": PhaseTiming(3.0), "data": PhaseTiming(1.0), "graph_key": PhaseTiming(0.5),
-                                "graph_inputs": PhaseTiming(0.25), "graph_replay": PhaseTiming(0.25),
-                                "fp8_refresh": PhaseTiming(5.0)})
+                                "graph_inputs": PhaseTiming(0.25), "graph_launch": PhaseTiming(0.125),
+                                "graph_after": PhaseTiming(0.125), "fp8_refresh": PhaseTiming(5.0)})
     assert summarize_traces([eager], micro_batches=4)["micro_batch_host_ms"] == pytest.approx(20.0 / 4)
     s = summarize_traces([replayed, replayed, eager], micro_batches=4)
     assert s["micro_batch_host_ms"] == pytest.approx(2.0 / 4) and s["micro_batches"] == 4

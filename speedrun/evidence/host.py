@@ -126,8 +126,10 @@ def trace_step(step: Callable[..., Any], device: torch.device) -> StepTrace:
 
 # The phases of a step that belong to its micro-batches (speedrun.train.loop.run_step): fetching
 # them and issuing their forward and backward, eagerly or as a replayed graph (key, input copies,
-# launch).  The rest of a step (setup, step end, reduction, optimizer, FP8 refresh) is once per step.
-MICRO_BATCH_PHASES = ("data", "forward", "backward", "after_backward", "graph_key", "graph_inputs", "graph_replay")
+# launch, what follows it: speedrun.train.loop.GRAPH_PHASES).  The rest of a step (setup, step end,
+# reduction, optimizer, FP8 refresh) is once per step.
+MICRO_BATCH_PHASES = ("data", "forward", "backward", "after_backward", "graph_key", "graph_inputs", "graph_launch",
+                      "graph_after")
 
 
 def summarize_traces(traces: Sequence[StepTrace], micro_batches: int | None = None) -> dict[str, Any]:

@@ -336,7 +336,8 @@ class StepGraphs:
         nothing else on the host, and only a step run eagerly moves them to the device first.
         Returns the scaled losses' sum over ``divisor`` (0-d fp32, a fresh tensor).  ``mark``: the
         host phase tracer (:func:`speedrun.train.loop.run_step`'s ``on_phase``), called with
-        "graph_key", "graph_inputs" and "graph_replay" as a replayed step issues each, or with
+        "graph_key", "graph_inputs", "graph_launch" and "graph_after" as a replayed step issues
+        each (:data:`speedrun.train.loop.GRAPH_PHASES`), or with
         "forward" once when the step is captured or runs eagerly."""
         mark = mark or _no_mark
         key = self._key(batches, args, scale, divisor)
@@ -468,20 +469,23 @@ class StepGraphs:
         self._static_inputs(batches, step.key)
         self._graph_args(args)
         mark("graph_inputs")
-        self._replay_captured(step)
+        self._replay_captured(step, mark)
         step.replays += 1
         self.stats.replayed_steps += 1
         total = self._loss.clone()
-        mark("graph_replay")
+        mark("graph_after")
         return total
 
-    def _replay_captured(self, step: CapturedStep) -> None:
+    def _replay_captured(self, step: CapturedStep, mark: Callable[[str], None] = _no_mark) -> None:
+        """The graph's gradient buffers bound, its launch (``mark("graph_launch")`` right after
+        it), then the model's host bookkeeping set to what the captured loop left."""
         for p, buf in step.carried:
             if p.grad is not buf:  # made by an eager step: carry it into the graph's buffer
                 buf.copy_(p.grad)
         for p, buf in step.grads:
             p.grad = buf
         step.graph.replay()
+        mark("graph_launch")
         if step.host_after is not None:
             self.model.set_graph_host_state(step.host_after)
 

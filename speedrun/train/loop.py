@@ -71,8 +71,10 @@ def _sync(device: torch.device) -> None:
 
 STEP_PHASES = ("setup", "data", "forward", "backward", "after_backward", "fp8_step_end", "grad_reduce", "optimizer",
                "fp8_refresh")
-# A replayed step's micro-batch phases instead of forward/backward/after_backward (see StepGraphs.run)
-GRAPH_PHASES = ("graph_key", "graph_inputs", "graph_replay")
+# A replayed step's micro-batch phases instead of forward/backward/after_backward (see StepGraphs.run):
+# the step key, the inputs copied in, the gradient buffers bound and the graph launched, then the
+# host bookkeeping set back and the loss copied out
+GRAPH_PHASES = ("graph_key", "graph_inputs", "graph_launch", "graph_after")
 
 
 def run_step(model, recipe, loader, step: int, cfg: RunConfig, info, dtype,
