@@ -27,6 +27,15 @@ def test_multigpu_script_refuses_unknown_parts(tmp_path):
     assert out.returncode == 2 and "unknown part nonsense" in out.stderr
 
 
+def test_pr344_session_script_refuses_unknown_parts(tmp_path):
+    bash = shutil.which("bash") or pytest.skip("no bash")
+    script = [s for s in SCRIPTS if s.name == "pr344_session.sh"][0]
+    out = subprocess.run([bash, str(script), "d"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")}, cwd=tmp_path)
+    assert out.returncode == 2 and "usage" in out.stderr
+    assert not (tmp_path / "out").exists()  # refused before it made or ran anything
+
+
 PY_BENCHES = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("bench_*.py"))
 
 
