@@ -11,6 +11,20 @@ import pytest
 SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "tools").glob("*.sh"))
 
 
+def _load_script(path: Path):
+    """A benchmark or tool script (benchmarks/ and tools/ are not packages) as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _load_bench(name: str):
+    return _load_script([s for s in PY_BENCHES if s.name == name + ".py"][0])
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
 def test_shell_script_parses(script):
     bash = shutil.which("bash") or pytest.skip("no bash")
@@ -45,25 +59,12 @@ def test_python_benchmark_compiles(script):
 
 
 def test_host_bench_without_a_gpu_says_so(capsys, monkeypatch):
-    import importlib.util
-
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    spec = importlib.util.spec_from_file_location("bench_host", [s for s in PY_BENCHES if s.name == "bench_host.py"][0])
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_bench("bench_host")
     assert mod.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
-
-
-def _load_bench(name):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, [s for s in PY_BENCHES if s.name == name + ".py"][0])
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_graph_launch_bench_checks_its_arguments_and_fits_a_line(capsys, monkeypatch):
@@ -88,12 +89,7 @@ def test_replay_host_bench_traces_replayed_steps_without_a_walk(capsys, use_buil
     """bench_replay_host runs a preset's steps through StepGraphs with a replay that launches
     nothing, and reports per-micro-batch host time from replayed steps only (it refuses to report
     otherwise), with the key's watch settled: no walk over the traced steps."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "bench_replay_host", [s for s in PY_BENCHES if s.name == "bench_replay_host.py"][0])
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_bench("bench_replay_host")
     assert mod.main(["--arms", "record", "--world", "8", "--steps", "3"]) == 0
     out = capsys.readouterr().out
     assert "us per micro-batch (1 per step)" in out and "graph_key" in out and "key walks while traced 0" in out
@@ -106,15 +102,12 @@ def test_rotary_bench_arms_compute_the_same(kind):
     split q/k/v, and upstream's chunked formulation with fp32 tables here) give the same q, k, v and
     gradients on every layer kind it times (the first three bit for bit)."""
     import functools
-    import importlib.util
 
     import torch
 
     from speedrun.model.yarn import Yarn
 
-    spec = importlib.util.spec_from_file_location("bench_rotary", [s for s in PY_BENCHES if s.name == "bench_rotary.py"][0])
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_bench("bench_rotary")
     T, H, D = 24, 4, 16
     y = Yarn(D, 0.5, 1024.0)
     cos, sin = y.tables(2 * T, "cpu")
@@ -144,12 +137,7 @@ def test_inductor_sources_extracts_the_slowest_kernels(tmp_path):
     """inductor_sources.py finds a profiled kernel's Triton source in a generated wrapper module (a
     kernel inside ``async_compile.triton('''...''')``) and in a standalone kernel file, writes the
     slowest first, and reports a kernel it cannot find."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "inductor_sources", Path(__file__).resolve().parents[1] / "tools" / "inductor_sources.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script(SCRIPTS[0].parent / "inductor_sources.py")
     cache = tmp_path / "cache" / "ab"
     cache.mkdir(parents=True)
     (cache / "wrapper.py").write_text(
@@ -182,11 +170,7 @@ def test_inductor_sources_extracts_the_slowest_kernels(tmp_path):
 
 def test_opaque_host_bench_runs_on_the_cpu(capsys):
     """bench_opaque.py compiles both chains and reports per-op host time and the opaque overhead."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_opaque", [s for s in PY_BENCHES if s.name == "bench_opaque.py"][0])
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_bench("bench_opaque")
     assert mod.main(["--ops", "2", "--reps", "2", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     assert "opaque  forward" in out and "plain   forward" in out and "opaque over plain" in out
@@ -195,11 +179,7 @@ def test_opaque_host_bench_runs_on_the_cpu(capsys):
 @pytest.mark.usefixtures("use_builtin_cache", "one_thread")
 def test_host_profile_script_profiles_a_tiny_arm(tmp_path, capsys):
     """host_profile.py builds the arm, warms it up and writes cProfile tables naming run_step."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("host_profile", SCRIPTS[0].parent / "host_profile.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script(SCRIPTS[0].parent / "host_profile.py")
     small = ["model.num_layers=1", "model.model_dim=64", "model.num_heads=2", "model.qk_head_dim=16",
              "model.v_head_dim=32", "train.batch_tokens=1024", "train.max_seq_len=128"]
     args = ["--arm", "t=tiny", "--warmup", "1", "--steps", "1", "--top", "10", "--out", str(tmp_path)]
@@ -215,11 +195,7 @@ def test_host_profile_script_profiles_a_tiny_arm(tmp_path, capsys):
 def test_host_profile_script_profiles_a_simulated_rank(tmp_path, capsys):
     """--as-rank-of N profiles rank 0's share of an N-rank step (the record recipe's optimizer
     sharded over N, collectives as no-ops) and says so in its header."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("host_profile", SCRIPTS[0].parent / "host_profile.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script(SCRIPTS[0].parent / "host_profile.py")
     small = ["model.num_layers=4", "model.model_dim=32", "model.num_heads=2", "model.qk_head_dim=12",
              "train.batch_divisor=1024", "train.steps=24", "train.num_extension=3"]
     args = ["--arm", "r=tiny-record", "--warmup", "1", "--steps", "1", "--top", "400", "--out", str(tmp_path),
@@ -363,13 +339,9 @@ def test_device_run_profiles_each_arm_under_its_name_and_diffs_the_later_ones(tm
 def test_comm_traffic_counts_what_the_collectives_move(tmp_path, capsys):
     """comm_traffic.py at toy size: the even step moves only the NorMuon banks (reduce-scattered
     and gathered whole), the odd step the Adam tables too; the mean's time follows comm_ms."""
-    import importlib.util
-
     from speedrun.evidence.projection import comm_ms
 
-    spec = importlib.util.spec_from_file_location("comm_traffic", SCRIPTS[0].parent / "comm_traffic.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script(SCRIPTS[0].parent / "comm_traffic.py")
     small = ["model.num_layers=4", "model.model_dim=32", "model.num_heads=2", "model.qk_head_dim=12"]
     out = tmp_path / "t.json"
     args = ["--preset", "tiny-record", "--world", "4", "--gbps", "100", "--json", str(out)]
