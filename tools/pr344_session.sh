@@ -16,8 +16,8 @@
 # finished.  Here, after part c: `speedrun bench project` of the three stages' JSONs with
 # `--upstream pr344=<b>/upstream_steps.json:candidate` (the folder's README names the files).
 #
-# Time each step needs (one H100): a one-GPU stage bench of two arms with three chained steps
-# per sample more than 175 s, one stage-3 arm more than 115 s; the budgets below leave room.
+# The bench budgets below leave room for each arm's warmup, captures and self-checks besides its
+# timed steps (docs/status.md, "Time a bench needs").
 set -u
 part=${1:-}
 case $part in a|b|c) ;; *) echo "usage: $0 a|b|c" >&2; exit 2 ;; esac
