@@ -3,8 +3,7 @@
 A replayed training step's host time ends in one ``torch.cuda.CUDAGraph.replay()`` per step key
 (:mod:`speedrun.train.graphs`).  Whether that launch costs the host time per node decides what
 could lower it: fewer kernels per graph, or less Python around the launch.  This measures the
-launch alone:
-graphs of N tiny kernels (in-place adds on a 1-element tensor, so the GPU time is negligible and
+launch alone: graphs of N tiny kernels (in-place adds on a 1-element tensor, so the GPU time is negligible and
 the launch queue never fills), each launched ``--reps`` times from an idle GPU, the host wall
 time of ``replay()`` alone per launch; then a least-squares line through (N, median) gives the
 fixed cost (microseconds) and the cost per node (nanoseconds).
