@@ -77,7 +77,7 @@ KERNEL_PATCHES = (
     _scale_patch("aligned-qkv-x-scale", "scale_a", "x_scale", 16, 3, "packed QKV forward"),
     _scale_patch("aligned-qkv-x-scale-bwd", "scale_b", "x_scale", 12, 1, "packed QKV weight gradient"),
     _scale_patch("aligned-grad-scale", "scale_a", "grad_scale", 12, 3,
-                 "packed QKV backward x2; the CE backward's is already fresh"),
+                 "packed QKV backward x2 and the CE backward"),
 )
 
 PR344 = base.Upstream(
