@@ -101,27 +101,6 @@ def test_aligned_copy_survives_inductor():
     assert ", 3)" not in call and ", 5)" not in call, call
 
 
-def test_aligned_copy_keeps_a_0d_scale_0d():
-    """#344's cross-entropy backward passes a fresh 0-d scale beside the patched one; Inductor's
-    ``_scaled_mm`` lowering asserts both scales have the same number of dimensions (the compile
-    failure seen on an H100), so the copy must keep the original's shape."""
-    from torch._inductor.utils import run_and_get_code
-
-    copy = eval(f"lambda s: {up.aligned_copy('s')}", {"torch": torch})
-    assert copy(torch.tensor(2.0)).shape == () and copy(torch.ones(4)[1:2]).shape == (1,)
-
-    def ce_backward(a, b, s):
-        return torch._scaled_mm(a, b, scale_a=copy(s), scale_b=a.new_tensor(3.0, dtype=torch.float32),
-                                out_dtype=torch.bfloat16)
-
-    a = torch.randn(32, 64).to(torch.float8_e4m3fn)
-    b = torch.randn(32, 64).to(torch.float8_e4m3fn).t()
-    torch._dynamo.reset()
-    out, _ = run_and_get_code(torch.compile(ce_backward, backend="inductor"), a, b, torch.tensor(2.0))
-    ref = torch._scaled_mm(a, b, scale_a=torch.tensor(2.0), scale_b=torch.tensor(3.0), out_dtype=torch.bfloat16)
-    torch.testing.assert_close(out, ref)
-
-
 @pytest.mark.parametrize("device_only", [False, True])
 def test_profile_patch_writes_a_kernel_table(tmp_path, monkeypatch, device_only):
     """--profile START:COUNT wraps exactly those steps in torch.profiler and rank 0 writes the

@@ -72,7 +72,27 @@ def test_scale_patches_copy_every_view_they_name():
     assert [p.name for p in patches][:2] == ["aligned-act-scale", "aligned-w2-scale"]  # f411b3d's, kept
     for scale in ("a_scale", "b_scale", "x_scale", "grad_scale", "activation_scale", "W2_scale"):
         assert f"={base.aligned_copy(scale)}," in out, scale
-    assert not re.search(r"scale_[ab]=\w+,", out)  # no bare scale left in the stand-in
+    # no bare scale left in the stand-in but the fresh one an anchor names as context
+    assert not re.search(r"scale_[ab]=(?!scaled_weight_scale,)\w+,", out)
+
+
+def test_the_cross_entropy_backward_scale_is_left_alone():
+    """Of the three ``scale_a=grad_scale`` lines only the packed QKV backward's two are copied: the
+    cross-entropy backward's scale is a fresh 0-d tensor beside a 0-d ``scale_b``, and a
+    1-element copy there fails Inductor's ``_scaled_mm`` lowering (seen on an H100)."""
+    ce = ("        grad_scale = grad_input.new_tensor(grad_s, dtype=torch.float32)\n"
+          "        grad_x = torch._scaled_mm(\n            grad_input,\n            w_f8.T,\n"
+          "            out_dtype=torch.bfloat16,\n            scale_a=grad_scale,\n            scale_b=w_scale,\n")
+    qkv = ("        grad_weight = torch._scaled_mm(\n            grad_f8_t, x_f8_t.T,\n"
+           "            out_dtype=torch.bfloat16,\n            scale_a=grad_scale,\n            scale_b=x_scale,\n"
+           "        grad_input = torch._scaled_mm(\n            grad_f8, weight_f8_t.T,\n"
+           "            out_dtype=torch.bfloat16,\n            scale_a=grad_scale,\n"
+           "            scale_b=scaled_weight_scale,\n")
+    patches = [p for p in pr.KERNEL_PATCHES if p.name.startswith("aligned-grad-scale")]
+    out = base.apply_patches(ce + qkv, patches, "triton_kernels.py", "c4c209d")
+    assert out.startswith(ce)  # untouched
+    assert out[len(ce):].count(f"scale_a={base.aligned_copy('grad_scale')},") == 2
+    assert "scale_b=x_scale," in out and "scale_b=scaled_weight_scale," in out
 
 
 def test_a_count_patch_names_the_expected_count():
@@ -124,6 +144,7 @@ def test_real_pr344_patches_cleanly(pr344_src, tmp_path):
     assert config["stage_starts"] == [0, 15, 30, 45]
     # every _scaled_mm scale is now a copy of its own or a tensor made on the spot
     kernels = (out / "triton_kernels.py").read_text()
+    assert kernels.count(f"scale_a={base.aligned_copy('grad_scale')},") == 2  # not the CE backward's
     fresh = {"scaled_weight_scale"}  # weight_scale * qkv_scale: a new tensor
     for m in re.finditer(r"scale_[ab]=([^,\n]+),", kernels + train):
         expr = m.group(1)

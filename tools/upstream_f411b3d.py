@@ -301,10 +301,8 @@ def aligned_copy(name: str) -> str:
     """Source of a copy of the 1-element scale ``name`` in a buffer of its own (offset 0, so
     16-byte aligned).  Not ``.clone()``: Inductor drops a clone feeding an extern kernel and passes
     the original view (seen on the H200: ``reinterpret_tensor(scales, (1,), (1,), 1)``); a
-    concatenation must be materialised, and its first element sits at the buffer's start.  The copy
-    keeps the original's shape: Inductor's ``_scaled_mm`` lowering requires both scales to have the
-    same number of dimensions, and a 0-d scale beside a 1-element one fails to compile."""
-    return f"torch.cat([{name}.reshape(1), {name}.new_zeros(3)])[:1].view_as({name})"
+    concatenation must be materialised, and its first element sits at the buffer's start."""
+    return f"torch.cat([{name}.reshape(1), {name}.new_zeros(3)])[:1]"
 
 
 def kernel_patches(target: Upstream = F411B3D) -> list[Patch]:
@@ -424,7 +422,9 @@ def summary(patches: list[Patch], opts: BenchOptions, out: Path, target: Upstrea
         if p.replacement is None:
             lines.append(f"  checked  {p.name:15s} {p.why}")
         else:
-            new = p.replacement.strip().splitlines()[0]
+            kept = set(p.anchor.splitlines())  # context lines an anchor carries are not news
+            changed = [ln for ln in p.replacement.splitlines() if ln not in kept and ln.strip()]
+            new = (changed or p.replacement.strip().splitlines())[0].strip()
             times = "" if p.count == 1 else f" (x{p.count})"
             lines.append(f"  patched  {p.name:15s} {new}{times}\n           {'':15s} why: {p.why}")
     starts = opts.stage_starts()

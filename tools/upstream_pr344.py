@@ -76,8 +76,18 @@ KERNEL_PATCHES = (
           f"        scale_b={aligned_copy('b_scale')},  {TAG} upstream b_scale\n", _UNALIGNED),
     _scale_patch("aligned-qkv-x-scale", "scale_a", "x_scale", 16, 3, "packed QKV forward"),
     _scale_patch("aligned-qkv-x-scale-bwd", "scale_b", "x_scale", 12, 1, "packed QKV weight gradient"),
-    _scale_patch("aligned-grad-scale", "scale_a", "grad_scale", 12, 3,
-                 "packed QKV backward x2 and the CE backward"),
+    # the packed QKV backward's two GEMMs only, each anchored with a neighbouring line: the
+    # cross-entropy backward's ``scale_a=grad_scale`` is a fresh 0-d tensor, and a 1-element copy
+    # beside its 0-d ``scale_b`` fails Inductor's _scaled_mm lowering
+    Patch("aligned-grad-scale-wgrad",
+          "            grad_f8_t, x_f8_t.T,\n            out_dtype=torch.bfloat16,\n            scale_a=grad_scale,\n",
+          "            grad_f8_t, x_f8_t.T,\n            out_dtype=torch.bfloat16,\n"
+          f"            scale_a={aligned_copy('grad_scale')},  {TAG} upstream grad_scale (packed QKV weight gradient)\n",
+          _UNALIGNED),
+    Patch("aligned-grad-scale-dgrad",
+          "            scale_a=grad_scale,\n            scale_b=scaled_weight_scale,\n",
+          f"            scale_a={aligned_copy('grad_scale')},  {TAG} upstream grad_scale (packed QKV input gradient)\n"
+          "            scale_b=scaled_weight_scale,\n", _UNALIGNED),
 )
 
 PR344 = base.Upstream(
