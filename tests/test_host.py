@@ -63,6 +63,9 @@ def test_summary_gives_the_host_time_per_micro_batch():
     assert summarize_traces([eager], micro_batches=4)["micro_batch_host_ms"] == pytest.approx(20.0 / 4)
     s = summarize_traces([replayed, replayed, eager], micro_batches=4)
     assert s["micro_batch_host_ms"] == pytest.approx(2.0 / 4) and s["micro_batches"] == 4
+    # without the launch (which may wait for queue space): median over the same steps
+    assert s["micro_batch_host_ms_no_launch"] == pytest.approx(1.875 / 4)
+    assert "micro_batch_host_ms_no_launch" not in summarize_traces([eager], micro_batches=4)
     with pytest.raises(ValueError, match="micro_batches"):
         summarize_traces([eager], micro_batches=0)
 
@@ -132,3 +135,18 @@ def test_bench_step_host_side_on_tiny_arms(tmp_path, capsys):
         assert "syncs" not in arm  # the scan needs CUDA
     assert main(args[:-2] + ["--host-steps", "-1"]) == 2
     assert "--host-steps must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lead_ms, shown", [(177.0, True), (0.2, False), (None, False)])
+def test_host_table_adds_the_micro_batch_time_without_a_launch_that_waits(lead_ms, shown):
+    """Where the GPU trails a graph's launch far behind (a filling launch queue), the host table
+    adds the per-micro-batch host time without the launch, whose time is then a wait."""
+    from speedrun.evidence.bench import _render_host
+
+    replayed = StepTrace(30.0, {"data": PhaseTiming(0.5), "graph_key": PhaseTiming(0.5),
+                                "graph_launch": PhaseTiming(28.0, 200.0, lead_ms), "graph_after": PhaseTiming(1.0)})
+    host = summarize_traces([replayed], micro_batches=8)
+    text = "\n".join(_render_host({"arms": [{"name": "candg", "median_ms": 212.0, "host": host}]}))
+    assert "(per micro-b.)       3.75" in text
+    assert ("(w/o launch)         0.25" in text) is shown, text
+    assert ("trails the launch by 177 ms" in text) is shown

@@ -645,6 +645,11 @@ def _render_collections(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+# How far the GPU must trail a graph's launch for the host table to add the per-micro-batch host
+# time without the launch: well above a launch's own cost, so only a queue that is filling.
+LAUNCH_QUEUE_LEAD_MS = 5.0
+
+
 def _render_host(result: dict[str, Any]) -> list[str]:
     arms = [a for a in result["arms"] if "host" in a]
     lines: list[str] = []
@@ -664,6 +669,11 @@ def _render_host(result: dict[str, Any]) -> list[str]:
             if "micro_batch_host_ms" in h:  # data and the loop's phases over the step's micro-batches
                 lines.append(f"{a['name']:<16} {'(per micro-b.)':<15} {fmt(h['micro_batch_host_ms'])} {'':>9} {'':>9}"
                              f"  ({h['micro_batches']} per step)")
+                launch = h["phases"].get("graph_launch", {}).get("lead_min_ms")
+                if launch is not None and launch >= LAUNCH_QUEUE_LEAD_MS and "micro_batch_host_ms_no_launch" in h:
+                    lines.append(f"{a['name']:<16} {'(w/o launch)':<15} {fmt(h['micro_batch_host_ms_no_launch'])} "
+                                 f"{'':>9} {'':>9}  (the GPU trails the launch by {launch:.0f} ms: its host time "
+                                 "may be a wait for queue space)")
     scanned = [a for a in result["arms"] if "syncs" in a]
     if scanned:
         lines += ["", "synchronising calls in one step (torch.cuda sync debug mode):"]

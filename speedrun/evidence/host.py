@@ -138,7 +138,9 @@ def summarize_traces(traces: Sequence[StepTrace], micro_batches: int | None = No
     ``micro_batches`` (per step) also ``micro_batch_host_ms``: the host time of a step's
     :data:`MICRO_BATCH_PHASES` over that count, the issue time per micro-batch.  Like every host
     time here it is an upper bound where the GPU trails far behind: a graph of many micro-batches
-    fills the driver's launch queue, and its launch then waits for the GPU (a large lead)."""
+    fills the driver's launch queue, and its launch then waits for the GPU (a large lead).  So
+    where a step has a ``graph_launch`` phase, ``micro_batch_host_ms_no_launch`` is the same sum
+    without it: the host's own work around the launch, which no queue holds up."""
     if not traces:
         raise ValueError("no traced steps")
     if micro_batches is not None and micro_batches < 1:
@@ -159,9 +161,15 @@ def summarize_traces(traces: Sequence[StepTrace], micro_batches: int | None = No
                    for n in names},
     }
     if micro_batches is not None:
-        per_step = [sum(p.host_ms for n, p in t.phases.items() if n in MICRO_BATCH_PHASES) for t in traces]
+        def per_micro_batch(phases: Sequence[str]) -> float:
+            per_step = [sum(p.host_ms for n, p in t.phases.items() if n in phases) for t in traces]
+            return float(np.median(per_step)) / micro_batches
+
         out["micro_batches"] = micro_batches
-        out["micro_batch_host_ms"] = float(np.median(per_step)) / micro_batches
+        out["micro_batch_host_ms"] = per_micro_batch(MICRO_BATCH_PHASES)
+        if "graph_launch" in names:
+            out["micro_batch_host_ms_no_launch"] = per_micro_batch(
+                [n for n in MICRO_BATCH_PHASES if n != "graph_launch"])
     return out
 
 
