@@ -1,6 +1,6 @@
 """Attention backends at the record's stage-3 shapes on one GPU: forward + backward time.
 
-Every backend that runs here (cudnn, fa3, varlen, flex; see ``speedrun.attention``) is timed on
+Every backend that runs here (cudnn, fa4, fa3, varlen, flex; see ``speedrun.attention``) is timed on
 the same inputs: T = 49,152 tokens per rank in documents of at most 2048 tokens (``cu_seqlens``
 padded to 129 entries as the loader does), 6 heads, V width 128, Q/K width 128 (record) and 96
 (candidate), the record's stage-3 windows (640 short, 1408 long tokens, from
@@ -37,7 +37,7 @@ from speedrun.evidence.attention_timing import (STAGE3_TOKENS, make_case, stage3
                                                 webmix_cu_seqlens)
 from speedrun.evidence.fingerprint import measure_matmul_tflops
 
-BACKENDS = ("cudnn", "fa3", "varlen", "flex")
+BACKENDS = ("cudnn", "fa4", "fa3", "varlen", "flex")
 # the record's attention layers per micro-batch: layers 1, 4, 7, 8 short; 3, 10 long; 0, 2, 5, 9 paired
 LAYER_COUNTS = {"short": 4, "long": 2, "paired": 4}
 

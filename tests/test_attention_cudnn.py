@@ -1,7 +1,7 @@
 """The cudnn attention backend on CPU: selection, errors, the ragged offsets built from
 cu_seqlens, the shape-key graph cache and the autograd / torch.compile plumbing, with a fake
 cuDNN frontend module standing in for ``import cudnn`` (the real one needs a GPU; its numerics
-are compared with the reference in ``tests/gpu/test_attention_cudnn_gpu.py``)."""
+are compared with the reference in ``tests/gpu/test_attention_fused_gpu.py``)."""
 
 from __future__ import annotations
 
@@ -322,7 +322,7 @@ def _refusing(m, kw, refuse):
 
 
 def test_auto_prefers_cudnn_and_falls_back_with_a_message(monkeypatch):
-    problems = {"cudnn": None, "fa3": "no kernels", "varlen": None, "flex": None}
+    problems = {"cudnn": None, "fa4": "not installed", "fa3": "no kernels", "varlen": None, "flex": None}
     monkeypatch.setattr(attn, "backend_problem", lambda name, device: problems.get(name))
     assert attn.resolve_backend("auto", "cuda") == "cudnn"
     problems["cudnn"] = "self-check failed: out at D_qk=96 differs from the reference (rel err 1.0e+00)"

@@ -117,7 +117,7 @@ def test_bad_shapes_and_backends_give_clear_errors():
 def test_available_backends_reports_each():
     report = available_backends("cpu")
     assert report["reference"][0] and report["flex"][0]
-    assert set(report) == {"reference", "flex", "varlen", "fa3", "cudnn"}
+    assert set(report) == {"reference", "flex", "varlen", "fa3", "cudnn", "fa4"}
 
 
 def test_flex_block_mask_cache_ties_masks_to_their_tensor_and_key():

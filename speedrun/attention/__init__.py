@@ -18,9 +18,11 @@ Backends: ``reference`` (plain PyTorch, any device, the test oracle), ``flex`` (
 with block masks; takes D_qk != D_v natively), ``varlen`` (torch's built-in FlashAttention varlen
 kernel; pads Q/K with zeros to D_v), ``fa3`` (FlashAttention-3 through the optional ``kernels``
 package), ``cudnn`` (cuDNN's fused attention through the optional ``nvidia-cudnn-frontend``
-package; takes D_qk != D_v natively).  ``auto`` picks the fastest that works on the tensors'
-device; on CUDA a backend with a self-check (cudnn) must also pass it, and when ``auto`` passes
-over cudnn it says why once (a warning naming the reason and the install command).
+package; takes D_qk != D_v natively), ``fa4`` (FlashAttention-4's CuTe-DSL kernels through the
+optional ``flash-attn-4`` package; takes D_qk != D_v natively).  ``auto`` picks the fastest
+that works on the tensors' device; on CUDA a backend with a self-check (cudnn, fa4) must also
+pass it, and when ``auto`` passes over cudnn it says why once (a warning naming the reason and
+the install command).
 
 A backend function with ``pads_qk_to_v = True`` runs with D_qk == D_v only and zero-pads narrower
 Q/K itself; a caller that can produce Q/K already padded (zeros in the extra columns, ``scale``
@@ -40,9 +42,10 @@ from speedrun.errors import ConfigError
 AttentionFn = Callable[..., torch.Tensor]
 
 # Preference order for "auto" on CUDA, fastest first at the record's stage-3 shapes
-# (benchmarks/bench_attention.py times them).
-_CUDA_PREFERENCE = ("cudnn", "fa3", "varlen", "flex", "reference")
-BACKENDS = ("reference", "flex", "varlen", "fa3", "cudnn")
+# (benchmarks/bench_attention.py times them; fa3 and fa4 are not timed yet, so they come after
+# the measured cudnn).
+_CUDA_PREFERENCE = ("cudnn", "fa4", "fa3", "varlen", "flex", "reference")
+BACKENDS = ("reference", "flex", "varlen", "fa3", "cudnn", "fa4")
 
 
 def _load(name: str) -> AttentionFn:
@@ -66,6 +69,10 @@ def _load(name: str) -> AttentionFn:
         from speedrun.attention.cudnn import cudnn_varlen_attention
 
         return cudnn_varlen_attention
+    if name == "fa4":
+        from speedrun.attention.fa4 import fa4_varlen_attention
+
+        return fa4_varlen_attention
     raise ConfigError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}, auto")
 
 
@@ -90,6 +97,10 @@ def backend_problem(name: str, device: torch.device | str) -> str | None:
         from speedrun.attention.cudnn import cudnn_problem
 
         return cudnn_problem(device)
+    if name == "fa4":
+        from speedrun.attention.fa4 import fa4_problem
+
+        return fa4_problem(device)
     return f"unknown attention backend {name!r}"
 
 

@@ -534,30 +534,7 @@ def cudnn_problem(device: torch.device) -> str | None:
 
 @functools.cache
 def _self_check(index: int) -> str | None:
-    """Forward + backward of two tiny packed batches (D_qk 96 and 128, D_v 128, a window shorter
-    than one document) against the reference; a message on failure, None on success."""
-    from speedrun.attention.reference import reference_attention
+    """:func:`speedrun.attention.selfcheck.check_against_reference`, once per device and process."""
+    from speedrun.attention.selfcheck import check_against_reference
 
-    dev = torch.device("cuda", index)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    T, H, dv = 200, 2, 128
-    cu = torch.tensor([0, 37, 150, 200, 200], dtype=torch.int32, device=dev)
-    try:
-        for dqk in (96, 128):
-            q, k = (torch.randn(T, H, dqk, generator=g).to(dev) for _ in range(2))
-            v = torch.randn(T, H, dv, generator=g).to(dev)
-            dy = torch.randn(T, H, dv, generator=g).to(dev)
-            xs = [t.bfloat16().requires_grad_() for t in (q, k, v)]
-            y = cudnn_varlen_attention(*xs, cu, 128, window=48, scale=0.1)
-            y.backward(dy.bfloat16())
-            rs = [t.clone().requires_grad_() for t in (q, k, v)]
-            ref = reference_attention(*rs, cu, 128, window=48, scale=0.1)
-            ref.backward(dy)
-            for name, a, b in (("out", y, ref), ("dq", xs[0].grad, rs[0].grad), ("dk", xs[1].grad, rs[1].grad),
-                               ("dv", xs[2].grad, rs[2].grad)):
-                err = ((a.float() - b).norm() / b.norm()).item()
-                if not err < 3e-2:
-                    return f"self-check failed: {name} at D_qk={dqk} differs from the reference (rel err {err:.1e})"
-    except Exception as e:  # noqa: BLE001 - a backend that builds but fails is reported
-        return f"self-check failed: {type(e).__name__}: {e}"[:300]
-    return None
+    return check_against_reference(cudnn_varlen_attention, torch.device("cuda", index))

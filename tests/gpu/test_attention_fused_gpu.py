@@ -1,13 +1,15 @@
-"""The cudnn attention backend on a CUDA GPU against the reference backend: outputs and all three
-gradients on random packed batches (ragged documents, padding slots, windows shorter and longer
-than documents, Q/K width 96 and 128 with V 128), replay inside a CUDA graph, and a compiled call.
+"""The fused attention backends (cudnn, fa4) on a CUDA GPU against the reference backend: outputs
+and all three gradients on random packed batches (ragged documents, padding slots, windows
+shorter and longer than documents, Q/K width 96 and 128 with V 128), replay inside a CUDA graph,
+a compiled call, and the record network on each.
 
 Bounds (bf16 inputs; the reference runs the same bf16 values in fp32): relative Frobenius error
 of the output < 1e-2 and of dq, dk, dv < 2e-2 -- several times what bf16 rounding of the output
 and gradients alone gives (~3e-3), far below what a wrong mask or offset gives (> 0.3).
 
-Run on the GPU machine: ``python -m pytest -q -m gpu tests/gpu/test_attention_cudnn_gpu.py``
-(needs ``nvidia-cudnn-frontend``; skips without it, fails if it is installed but broken).
+Run on the GPU machine: ``python -m pytest -q -m gpu tests/gpu/test_attention_fused_gpu.py``.
+A backend whose package is not installed (``nvidia-cudnn-frontend``, ``flash-attn-4``) is skipped;
+one installed but broken fails.
 """
 
 from __future__ import annotations
@@ -23,17 +25,24 @@ if not torch.cuda.is_available():
 from speedrun.attention import backend_problem, get_backend, resolve_backend  # noqa: E402
 from speedrun.attention.reference import reference_attention  # noqa: E402
 
-_PROBLEM = backend_problem("cudnn", torch.device("cuda"))
-if _PROBLEM is not None and "not installed" in _PROBLEM:
-    pytest.skip(_PROBLEM, allow_module_level=True)
-
 OUT_TOL, GRAD_TOL = 1e-2, 2e-2
+FUSED = ("cudnn", "fa4")
 
 
-def test_backend_is_usable_here():
-    """Installed, so it must pass its own self-check (and be what ``auto`` picks first)."""
-    assert _PROBLEM is None
-    assert resolve_backend("auto", "cuda") == "cudnn"
+@pytest.fixture(params=FUSED)
+def backend(request) -> str:
+    """A fused backend's name; skipped where its package is not installed."""
+    problem = backend_problem(request.param, torch.device("cuda"))
+    if problem is not None and "not installed" in problem:
+        pytest.skip(problem)
+    return request.param
+
+
+def test_backend_is_usable_here(backend):
+    """Installed, so it must pass its own self-check (and ``auto`` picks cudnn first, then fa4)."""
+    assert backend_problem(backend, torch.device("cuda")) is None
+    first = next(b for b in FUSED if backend_problem(b, torch.device("cuda")) is None)
+    assert resolve_backend("auto", "cuda") == first
 
 
 def _docs(T: int, seed: int) -> torch.Tensor:
@@ -50,7 +59,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     return ((a.float() - b.float()).norm() / max(b.float().norm().item(), floor)).item()
 
 
-def _compare(T, H, dqk, dv, window, seed, scale=None):
+def _compare(backend, T, H, dqk, dv, window, seed, scale=None):
     cu = _docs(T, seed)
     max_len = int((cu[1:] - cu[:-1]).max())
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -59,7 +68,7 @@ def _compare(T, H, dqk, dv, window, seed, scale=None):
     v = torch.randn(T, H, dv, device="cuda", generator=g).bfloat16()
     dy = torch.randn(T, H, dv, device="cuda", generator=g).bfloat16()
     xs = [t.clone().requires_grad_() for t in (q, k, v)]
-    y = get_backend("cudnn", "cuda")(*xs, cu, max_len + 7, window=window, scale=scale)
+    y = get_backend(backend, "cuda")(*xs, cu, max_len + 7, window=window, scale=scale)
     y.backward(dy)
     rs = [t.float().requires_grad_() for t in (q, k, v)]
     ref = reference_attention(*rs, cu, max_len, window=window, scale=scale)
@@ -77,27 +86,30 @@ def _compare(T, H, dqk, dv, window, seed, scale=None):
 
 @pytest.mark.parametrize("dqk", [96, 128])
 @pytest.mark.parametrize("window", [0, 37, 640, 5000, None])
-def test_matches_reference(dqk, window):
+def test_matches_reference(backend, dqk, window):
     # T not a multiple of 64; windows 0 (the diagonal only) and 37 are shorter than most
     # documents, 640 is shorter than some, 5000 and None longer than all of them
-    _compare(3001, 6, dqk, 128, window, seed=dqk + (window or 1), scale=0.12 if window == 640 else None)
+    _compare(backend, 3001, 6, dqk, 128, window, seed=dqk + (window or 1), scale=0.12 if window == 640 else None)
 
 
-def test_paired_head_layout():
+def test_paired_head_layout(backend):
     """The record's paired layers: 2T positions of 3 heads, window in doubled positions."""
-    _compare(2 * 2048, 3, 96, 128, 640, seed=5, scale=0.12)
+    _compare(backend, 2 * 2048, 3, 96, 128, 640, seed=5, scale=0.12)
 
 
-def test_fp32_inputs_are_cast_and_returned_in_fp32():
+def test_fp32_inputs_are_cast_and_returned_in_fp32(backend):
     T, H = 256, 2
     cu = torch.tensor([0, 100, 256], dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(T, H, 128, device="cuda") for _ in range(3))
-    y = get_backend("cudnn", "cuda")(q, k, v, cu, 156, window=64, scale=0.1)
+    y = get_backend(backend, "cuda")(q, k, v, cu, 156, window=64, scale=0.1)
     ref = reference_attention(q, k, v, cu, 156, window=64, scale=0.1)
     assert y.dtype == torch.float32 and _rel(y, ref) < OUT_TOL
 
 
 def test_graphs_are_built_once_and_reused():
+    """cudnn only: its graphs are built per shape key, then only executed."""
+    if backend_problem("cudnn", torch.device("cuda")) is not None:
+        pytest.skip(backend_problem("cudnn", torch.device("cuda")))
     from speedrun.attention.cudnn import default_runner
 
     fn = get_backend("cudnn", "cuda")
@@ -111,10 +123,10 @@ def test_graphs_are_built_once_and_reused():
     assert default_runner().builds == builds
 
 
-def test_replays_inside_a_cuda_graph():
+def test_replays_inside_a_cuda_graph(backend):
     """Forward + backward captured once, replayed on new values (q, k, v, dy and the document
     starts copied into the static inputs): equal to eager calls on those values."""
-    fn = get_backend("cudnn", "cuda")
+    fn = get_backend(backend, "cuda")
     T, H, dqk, dv, W = 2048, 6, 96, 128, 640
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -157,9 +169,9 @@ def test_replays_inside_a_cuda_graph():
             assert _rel(a, b) < 1e-3  # the backward's dQ accumulation order is not fixed
 
 
-def test_runs_inside_torch_compile():
+def test_runs_inside_torch_compile(backend):
     """The backend inside a compiled function (fullgraph: no graph breaks), forward and backward."""
-    fn = get_backend("cudnn", "cuda")
+    fn = get_backend(backend, "cuda")
     T, H = 1024, 4
     cu = torch.tensor([0, 200, 700, T, T], dtype=torch.int32, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -184,8 +196,8 @@ def test_runs_inside_torch_compile():
 
 
 @pytest.mark.parametrize("qk", [96, 128])
-def test_record_network_with_cudnn_matches_the_reference_backend(qk):
-    """The record network (paired-head layers, windows, Q/K 96 or 128 with V 128) with the cudnn
+def test_record_network_matches_the_reference_backend(backend, qk):
+    """The record network (paired-head layers, windows, Q/K 96 or 128 with V 128) with a fused
     backend: loss and every parameter gradient as with the reference backend (bf16 model)."""
     from types import SimpleNamespace
 
@@ -203,13 +215,13 @@ def test_record_network_with_cudnn_matches_the_reference_backend(qk):
                             cu_seqlens=torch.tensor([0, 300, 301, 900, T, T, T], dtype=torch.int32).cuda(),
                             max_seqlen=700, bigram=None)
     out = {}
-    for backend in ("reference", "cudnn"):
+    for name in ("reference", backend):
         torch.manual_seed(0)
-        m = RecordGPT(ModelConfig(**base, attention_backend=backend)).cuda().bfloat16()
+        m = RecordGPT(ModelConfig(**base, attention_backend=name)).cuda().bfloat16()
         loss = m.loss(batch, args)
         loss.backward()
         grads = torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None])
-        out[backend] = (loss.item(), grads)
-    (l_ref, g_ref), (l_cu, g_cu) = out["reference"], out["cudnn"]
+        out[name] = (loss.item(), grads)
+    (l_ref, g_ref), (l_cu, g_cu) = out["reference"], out[backend]
     assert abs(l_cu - l_ref) <= 1e-2 * abs(l_ref), (l_cu, l_ref)
     assert _rel(g_cu, g_ref) < 5e-2

@@ -1,0 +1,208 @@
+"""The fa4 attention backend on CPU: selection, errors, the custom ops' shape functions and the
+autograd / torch.compile plumbing, with FA4's two entry points stood in by the reference backend
+(the real kernels need a GPU; their numerics are compared with the reference in
+``tests/gpu/test_attention_fused_gpu.py``).  Also the self-check every fused backend passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import speedrun.attention as attn
+from speedrun.attention import fa4
+from speedrun.attention.reference import reference_attention
+from speedrun.attention.selfcheck import check_against_reference
+from speedrun.errors import ConfigError
+
+
+class FakeFA4:
+    """FA4's ``_flash_attn_fwd`` / ``_flash_attn_bwd`` computed by the reference backend, recording
+    the keyword arguments each call got."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict]] = []
+
+    @staticmethod
+    def _reference(q, k, v, kw):
+        cu, window = kw["cu_seqlens_q"], kw["window_size_left"]
+        return reference_attention(q, k, v, cu, kw["max_seqlen_q"], window=window, scale=kw["softmax_scale"])
+
+    def fwd(self, q, k, v, **kw):
+        self.calls.append(("fwd", kw))
+        out = self._reference(q.float(), k.float(), v.float(), kw).to(q.dtype)
+        lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
+        return out, lse, None, None, None
+
+    def bwd(self, q, k, v, out, dout, lse, **kw):
+        self.calls.append(("bwd", kw))
+        xs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():  # called from inside a backward, where grad mode is off
+            self._reference(*xs, kw).backward(dout.float())
+        return tuple(x.grad.to(q.dtype) for x in xs)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    f = FakeFA4()
+    monkeypatch.setattr(fa4, "_kernels", lambda: (f.fwd, f.bwd))
+    monkeypatch.setattr(fa4, "_check_device", lambda q: None)  # the stand-in runs on the CPU
+    fa4._SEEN_CONFIGS.clear()
+    return f
+
+
+def _inputs(T=40, H=2, dqk=96, dv=128, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(T, H, dqk, generator=g).to(dtype) for _ in range(2))
+    return q, k, torch.randn(T, H, dv, generator=g).to(dtype)
+
+
+CU = torch.tensor([0, 13, 30, 40, 40], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("window", [None, 0, 7])
+def test_autograd_routes_through_both_kernels_with_the_contract_s_mask(fake, window):
+    """Causal with FA's window (W, 0) keeps i - W <= j <= i: the contract's mask; the loss and all
+    three gradients equal the reference's; each kernel got the packed batch's arguments."""
+    q, k, v = _inputs()
+    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+    y = fa4.fa4_varlen_attention(*xs, CU, 30, window=window)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+    y.backward(dy)
+    rs = [t.float().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*rs, CU, 30, window=window, scale=96**-0.5)
+    ref.backward(dy.float())
+    assert y.dtype == torch.bfloat16 and y.shape == (40, 2, 128)
+    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
+    for x, r in zip(xs, rs):
+        torch.testing.assert_close(x.grad.float(), r.grad, atol=3e-2, rtol=3e-2)
+    (_, fwd_kw), (_, bwd_kw) = fake.calls
+    for kw in (fwd_kw, bwd_kw):
+        assert kw["causal"] is True and kw["window_size_left"] == window and kw["window_size_right"] is None
+        assert kw["cu_seqlens_q"] is kw["cu_seqlens_k"] and kw["cu_seqlens_q"].dtype == torch.int32
+        assert kw["max_seqlen_q"] == kw["max_seqlen_k"] == 30 and kw["softmax_scale"] == pytest.approx(96**-0.5)
+    assert fwd_kw["return_lse"] is True  # the backward needs it, and inside the op nothing requires grad
+
+
+def test_fp32_inputs_are_cast_and_returned_in_fp32(fake):
+    q, k, v = _inputs(dtype=torch.float32)
+    y = fa4.fa4_varlen_attention(q, k, v, CU, 30, window=5, scale=0.2)
+    assert y.dtype == torch.float32
+    ref = reference_attention(q, k, v, CU, 30, window=5, scale=0.2)
+    torch.testing.assert_close(y, ref, atol=3e-2, rtol=3e-2)
+
+
+def test_compiles_without_graph_breaks(fake):
+    q, k, v = (t.requires_grad_() for t in _inputs())
+
+    def f(q, k, v):
+        return (fa4.fa4_varlen_attention(q * 2, k, v, CU, 30, window=9, scale=0.1).float() ** 2).mean()
+
+    torch._dynamo.reset()
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    loss.backward()
+    assert q.grad is not None and torch.isfinite(q.grad.float()).all()
+    assert [c for c, _ in fake.calls] == ["fwd", "bwd"]
+
+
+def test_op_shape_functions():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(50, 3, 96, dtype=torch.bfloat16), torch.empty(50, 3, 96, dtype=torch.bfloat16)
+        v = torch.empty(50, 3, 128, dtype=torch.bfloat16)
+        cu = torch.empty(9, dtype=torch.int32)
+        o, lse = torch.ops.speedrun.fa4_fwd(q, k, v, cu, 64, 640, 0.1)
+        assert o.shape == (50, 3, 128) and o.dtype == torch.bfloat16
+        assert lse.shape == (3, 50) and lse.dtype == torch.float32
+        dq, dk, dv = torch.ops.speedrun.fa4_bwd(o, q, k, v, o, lse, cu, 64, 640, 0.1)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_a_new_kernel_configuration_inside_a_capture_is_refused(fake, monkeypatch):
+    """FA4 compiles a configuration the first time it meets it, which a CUDA-graph capture cannot
+    hold: a call inside a capture runs only configurations an eager call met before."""
+    q, k, v = _inputs()
+    fa4.fa4_varlen_attention(q, k, v, CU, 30, window=7)  # windowed forward, D_qk 96: met eagerly
+    monkeypatch.setattr(fa4, "_capturing", lambda t: True)
+    fa4.fa4_varlen_attention(q, k, v, CU, 30, window=640)  # the same configuration: another window only
+    with pytest.raises(RuntimeError, match=r"forward with D_qk=96, D_v=128.*causal.*inside CUDA-graph capture"):
+        fa4.fa4_varlen_attention(q, k, v, CU, 30, window=None)
+    with pytest.raises(RuntimeError, match=r"D_qk=128.*eager forward and backward"):
+        fa4.fa4_varlen_attention(*_inputs(dqk=128), CU, 30, window=7)
+
+
+# ---------------------------------------------------------------- selection and errors
+
+
+def test_explicit_fa4_without_the_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(fa4, "_find_fa4", lambda: False)
+    problem = attn.backend_problem("fa4", "cuda")
+    assert "flash-attn-4 package is not installed" in problem and 'pip install -e ".[fa4]"' in problem
+    with pytest.raises(ConfigError, match=r'pip install -e "\.\[fa4\]"'):
+        attn.resolve_backend("fa4", "cpu")
+
+
+def test_explicit_fa4_on_cpu_is_refused(monkeypatch):
+    monkeypatch.setattr(fa4, "_find_fa4", lambda: True)
+    with pytest.raises(ConfigError, match="fa4.*CUDA only"):
+        attn.resolve_backend("fa4", "cpu")
+    with pytest.raises(ConfigError, match="CUDA only"):
+        fa4.fa4_varlen_attention(*_inputs(), CU, 30)
+
+
+def test_bad_inputs_give_clear_errors(fake):
+    q, k, v = _inputs()
+    cu = CU
+    with pytest.raises(ConfigError, match="same shape"):
+        fa4.fa4_varlen_attention(q, k[:, :, :8], v, cu, 30)
+    with pytest.raises(ConfigError, match="window must be >= 0"):
+        fa4.fa4_varlen_attention(q, k, v, cu, 30, window=-3)
+    with pytest.raises(ConfigError, match=r"Q/K width 100 is not a multiple of 8"):
+        fa4.fa4_varlen_attention(torch.zeros(40, 2, 100), torch.zeros(40, 2, 100), v, cu, 30)
+    with pytest.raises(ConfigError, match=r"V width 264 is not a multiple of 8 in \[8, 256\]"):
+        fa4.fa4_varlen_attention(q, k, torch.zeros(40, 2, 264), cu, 30)
+    assert fake.calls == []
+
+
+def test_auto_tries_fa4_after_cudnn(monkeypatch):
+    problems = {"cudnn": "not installed", "fa4": None, "fa3": None, "varlen": None}
+    monkeypatch.setattr(attn, "backend_problem", lambda name, device: problems.get(name))
+    attn._warn_skipped.cache_clear()
+    with pytest.warns(UserWarning, match="skipping cudnn"):
+        assert attn.resolve_backend("auto", "cuda") == "fa4"
+    problems["fa4"] = "self-check failed: dq at D_qk=96 differs"
+    assert attn.resolve_backend("auto", "cuda") == "fa3"
+
+
+def test_available_backends_lists_fa4():
+    report = attn.available_backends("cpu")
+    assert report["fa4"][0] is False and ("CUDA" in report["fa4"][1] or "not installed" in report["fa4"][1])
+    assert fa4.fa4_varlen_attention.pads_qk_to_v is False and attn._load("fa4") is fa4.fa4_varlen_attention
+
+
+def test_importing_the_backend_does_not_import_fa4():
+    """No import-time side effects: FA4 (and the CuTe DSL behind it) load on first use."""
+    import subprocess
+    import sys
+
+    code = "import sys, speedrun.attention.fa4; print(any(m.startswith('flash_attn') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- the self-check of fused backends
+
+
+def test_self_check_passes_a_correct_backend_and_names_what_a_wrong_one_gets_wrong():
+    cpu = torch.device("cpu")
+    assert check_against_reference(reference_attention, cpu) is None
+
+    def no_window(q, k, v, cu, max_seqlen, *, window=None, scale=None):
+        return reference_attention(q, k, v, cu, max_seqlen, window=None, scale=scale)
+
+    assert check_against_reference(no_window, cpu).startswith("self-check failed: out at D_qk=96")
+
+    def broken(*args, **kw):
+        raise RuntimeError("kernel exploded")
+
+    assert check_against_reference(broken, cpu) == "self-check failed: RuntimeError: kernel exploded"
