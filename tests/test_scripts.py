@@ -50,6 +50,34 @@ def test_pr344_session_script_refuses_unknown_parts(tmp_path):
     assert not (tmp_path / "out").exists()  # refused before it made or ran anything
 
 
+def test_fa4_carry_refuses_what_it_cannot_do_and_checks_the_joined_parts(tmp_path):
+    """Unknown commands, a stage without the prepared part, an install without the staged one,
+    and parts of two different prepares (the checksum) each stop with a message before pip runs."""
+    bash = shutil.which("bash") or pytest.skip("no bash")
+    script = [s for s in SCRIPTS if s.name == "fa4_carry.sh"][0]
+    env = {"PATH": "/usr/bin:/bin", "FA4_PARTS": str(tmp_path / "parts")}
+
+    def run(what):
+        return subprocess.run([bash, str(script), what], capture_output=True, text=True, env=env, cwd=tmp_path)
+
+    out = run("nonsense")
+    assert out.returncode == 2 and "usage" in out.stderr
+    out = run("stage")
+    assert out.returncode == 2 and "run prepare here and carry .fa4a" in out.stderr
+    out = run("install")
+    assert out.returncode == 2 and "run 'stage' with .fa4a carried" in out.stderr
+    (tmp_path / ".fa4a").mkdir()
+    (tmp_path / ".fa4b").mkdir()
+    (tmp_path / ".fa4a" / "cu13.tar.xz.part00").write_bytes(b"first half")
+    (tmp_path / ".fa4b" / "cu13.tar.xz.part01").write_bytes(b"second half")
+    digest = subprocess.run(["sha256sum"], input=b"first halfsecond half", capture_output=True).stdout.split()[0]
+    (tmp_path / ".fa4b" / "cu13.tar.xz.sha256").write_text(f"{digest.decode()[::-1]}  cu13.tar.xz\n")  # not it
+    assert run("stage").returncode == 0 and (tmp_path / "parts" / "cu13.tar.xz.part00").is_file()
+    out = run("install")
+    assert out.returncode == 3 and "differ from what prepare split" in out.stderr
+    assert (tmp_path / "parts" / "cu13.tar.xz").read_bytes() == b"first halfsecond half"
+
+
 PY_BENCHES = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("bench_*.py"))
 
 
