@@ -57,6 +57,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl
   [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
+# FA4 and the CuTe DSL, where tools/fa4_carry.sh installed them in an earlier call on this machine
+[ -d "${FA4_SITE:-/tmp/fa4site}" ] && export PYTHONPATH=$PYTHONPATH:${FA4_SITE:-/tmp/fa4site}:${FA4_SITE:-/tmp/fa4site}/nvidia_cutlass_dsl/dsl_packages
 for part in $parts; do
   case $part in
     tests)

@@ -8,10 +8,12 @@
 #            every other wheel); prints each folder's size.  All three folders are git-ignored.
 #   stage    device call 1, `.fa4a` carried: keeps its part in /tmp/fa4parts for the next call
 #            (a warm machine keeps /tmp between calls; the next call must come within its idle time).
-#   install  device call 2, `.fa4b` carried: joins the parts, installs the wheels into python3's
-#            environment (pip, no index: the CuTe DSL finds itself through a .pth file, which a
-#            PYTHONPATH folder would not read) with the CUDA 13 libraries beside them, and checks
-#            that `speedrun.attention` finds the fa4 backend usable.
+#   install  device call 2, `.fa4b` carried: joins the parts, installs the wheels into $FA4_SITE
+#            (pip --target, no index) with the CUDA 13 libraries beside them, and checks that
+#            `speedrun.attention` finds the fa4 backend usable.  A process finds them through
+#            PYTHONPATH (`fa4_pythonpath` below; tools/device_run.sh adds it when $FA4_SITE exists):
+#            the site folder and the CuTe DSL's own package folder, which its .pth file would add
+#            in a site-packages folder but which a PYTHONPATH folder's .pth files do not.
 #
 # Usage: bash tools/fa4_carry.sh prepare|stage|install
 set -euo pipefail
@@ -21,6 +23,8 @@ CUTLASS_VERSION=4.8.1
 # call 2 then carries the rest (.fa4b, ~14 MB) with .carry (~42 MB) and .whl: both under 64 MiB.
 PART_A_MB=${PART_A_MB:-57}
 PARTS=${FA4_PARTS:-/tmp/fa4parts}  # where call 1 leaves its part for call 2
+FA4_SITE=${FA4_SITE:-/tmp/fa4site}
+fa4_pythonpath() { echo "$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages"; }
 what=${1:-}
 case $what in
   prepare)
@@ -49,15 +53,14 @@ case $what in
     cat "$PARTS"/cu13.tar.xz.part* .fa4b/cu13.tar.xz.part* > "$PARTS/cu13.tar.xz"
     (cd "$PARTS" && sha256sum -c --quiet "$OLDPWD/.fa4b/cu13.tar.xz.sha256") || {
       echo "the joined CUDA 13 libraries differ from what prepare split: carry .fa4a and .fa4b of one prepare" >&2; exit 3; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .fa4b/*.whl
-    site=$(python3 -c 'import nvidia_cutlass_dsl, os; print(os.path.dirname(nvidia_cutlass_dsl.__path__[0]))')
-    xz -dc "$PARTS/cu13.tar.xz" | tar xf - -C "$site"
-    python3 - <<'EOF'
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$FA4_SITE" \
+      .fa4b/*.whl
+    xz -dc "$PARTS/cu13.tar.xz" | tar xf - -C "$FA4_SITE"
+    PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(fa4_pythonpath) python3 -c '
 import torch
 from speedrun.attention import backend_problem
-problem = backend_problem("fa4", torch.device("cuda"))
-print("fa4 backend:", "usable" if problem is None else problem)
-EOF
-    ;;
+problem = backend_problem("fa4", torch.device("cuda")) if torch.cuda.is_available() else "no GPU here"
+print("fa4 backend:", "usable" if problem is None else problem)'
+    echo "export PYTHONPATH=\$PYTHONPATH:$(fa4_pythonpath)" ;;
   *) echo "usage: $0 prepare|stage|install" >&2; exit 2 ;;
 esac
