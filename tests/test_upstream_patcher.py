@@ -240,20 +240,21 @@ def test_shim_refuses_what_it_cannot_do(recorded):
     shim.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, seqused_k=None, num_splits=1)  # neutral: accepted
 
 
-def test_shim_routes_to_speedrun_cudnn_when_asked(monkeypatch):
-    """SPEEDRUN_SHIM_BACKEND=cudnn: FA3's arguments become speedrun's cuDNN backend's (the left
+@pytest.mark.parametrize("backend", ["cudnn", "fa4"])
+def test_shim_routes_to_a_speedrun_backend_when_asked(monkeypatch, backend):
+    """SPEEDRUN_SHIM_BACKEND=cudnn or fa4: FA3's arguments become that speedrun backend's (the left
     window in tokens as its window, -1 as none; the softmax scale), one cu_seqlens for both."""
-    fn, problem = shim._load_cudnn()  # the real import path (speedrun is importable here)
-    assert problem is None and fn.__name__ == "cudnn_varlen_attention"
+    fn, problem = shim._load_fused(backend)  # the real import path (speedrun is importable here)
+    assert problem is None and fn.__name__ == f"{backend}_varlen_attention"
     calls = []
 
     def fake_cudnn(q, k, v, cu, max_seqlen, *, window=None, scale=None):
         calls.append((cu, max_seqlen, window, scale))
         return v
 
-    monkeypatch.setattr(shim, "BACKEND", "cudnn")
-    monkeypatch.setattr(shim, "_CUDNN", fake_cudnn)
-    monkeypatch.setattr(shim, "_CUDNN_PROBLEM", None)
+    monkeypatch.setattr(shim, "BACKEND", backend)
+    monkeypatch.setattr(shim, "_FUSED_FN", fake_cudnn)
+    monkeypatch.setattr(shim, "_FUSED_PROBLEM", None)
     monkeypatch.setattr(shim, "_VARLEN", None)  # never reached
     q, k, v, cu = _qkv()
     out = shim.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=896, max_seqlen_k=896,
@@ -265,12 +266,12 @@ def test_shim_routes_to_speedrun_cudnn_when_asked(monkeypatch):
         shim.flash_attn_varlen_func(q, k, v, cu, cu.clone(), 64, 64)
     with pytest.raises(NotImplementedError, match="softcap"):  # the same refusals as on varlen
         shim.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, softcap=30.0)
-    monkeypatch.setattr(shim, "_CUDNN", None)
-    monkeypatch.setattr(shim, "_CUDNN_PROBLEM", "SPEEDRUN_SHIM_BACKEND=cudnn needs the speedrun package on PYTHONPATH")
+    monkeypatch.setattr(shim, "_FUSED_FN", None)
+    monkeypatch.setattr(shim, "_FUSED_PROBLEM", f"SPEEDRUN_SHIM_BACKEND={backend} needs the speedrun package on PYTHONPATH")
     with pytest.raises(RuntimeError, match="PYTHONPATH"):
         shim.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64)
-    monkeypatch.setattr(shim, "BACKEND", "fa4")
-    assert "known backends are varlen, cudnn" in shim.varlen_problem()
+    monkeypatch.setattr(shim, "BACKEND", "fa5")
+    assert "known backends are varlen, cudnn, fa4" in shim.varlen_problem()
     with pytest.raises(RuntimeError, match="known backends"):
         shim.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64)
 

@@ -13,11 +13,11 @@ Semantics mirror :func:`speedrun.attention.varlen.torch_varlen_attention`: causa
 This file must stay self-contained (stdlib + torch): it runs inside the upstream folder, where the
 ``speedrun`` package is not importable by default.
 
-``SPEEDRUN_SHIM_BACKEND=cudnn`` (read once, at import) routes the calls to speedrun's cuDNN
-backend instead (:func:`speedrun.attention.cudnn.cudnn_varlen_attention`), so upstream and our
-arms can be compared on that kernel too; it needs the ``speedrun`` package and the cuDNN frontend
-on ``PYTHONPATH`` (``tools/upstream_f411b3d.sh`` sets that up).  ``varlen`` (the default) is
-torch's kernel.
+``SPEEDRUN_SHIM_BACKEND=cudnn`` or ``fa4`` (read once, at import) routes the calls to that
+speedrun backend instead (:func:`speedrun.attention.cudnn.cudnn_varlen_attention`,
+:func:`speedrun.attention.fa4.fa4_varlen_attention`), so upstream and our arms can be compared on
+that kernel too; it needs the ``speedrun`` package and the backend's packages on ``PYTHONPATH``
+(``tools/upstream_f411b3d.sh`` sets that up).  ``varlen`` (the default) is torch's kernel.
 """
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ import torch
 
 __all__ = ["flash_attn_varlen_func", "varlen_problem", "BACKEND"]
 
-SHIM_BACKENDS = ("varlen", "cudnn")
+SHIM_BACKENDS = ("varlen", "cudnn", "fa4")
+# speedrun's fused backends the shim can route to: module and function
+_FUSED = {"cudnn": ("speedrun.attention.cudnn", "cudnn_varlen_attention"),
+          "fa4": ("speedrun.attention.fa4", "fa4_varlen_attention")}
 # which kernel answers the calls; read once, outside any compiled region
 BACKEND = os.environ.get("SPEEDRUN_SHIM_BACKEND", "varlen")
 
@@ -62,29 +65,31 @@ def _load_varlen():
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _load_cudnn():
-    """``(cudnn_varlen_attention, None)``, or ``(None, reason)`` when speedrun is not importable."""
+def _load_fused(name: str):
+    """``(speedrun's backend function, None)``, or ``(None, reason)`` when speedrun is not importable."""
+    import importlib
+
+    module, function = _FUSED[name]
     try:
-        from speedrun.attention.cudnn import cudnn_varlen_attention
+        return getattr(importlib.import_module(module), function), None
     except ImportError as e:
-        return None, (f"SPEEDRUN_SHIM_BACKEND=cudnn needs the speedrun package on PYTHONPATH (the repository "
-                      f"root) and the cuDNN frontend installed: {e}")
-    return cudnn_varlen_attention, None
+        return None, (f"SPEEDRUN_SHIM_BACKEND={name} needs the speedrun package on PYTHONPATH (the repository "
+                      f"root) and the backend's packages installed: {e}")
 
 
 # Resolved once at import, outside any compiled region: the signature differs between torch
 # releases (2.10: ``is_causal``; later: ``scale`` and ``window_size``), and inspecting it inside
 # the traced function would be wasted work on every call.
 _VARLEN, _PARAMS = _load_varlen()
-_CUDNN, _CUDNN_PROBLEM = _load_cudnn() if BACKEND == "cudnn" else (None, None)
+_FUSED_FN, _FUSED_PROBLEM = _load_fused(BACKEND) if BACKEND in _FUSED else (None, None)
 
 
 def varlen_problem() -> str | None:
     """Why :func:`flash_attn_varlen_func` cannot run here, or None."""
     if BACKEND not in SHIM_BACKENDS:
         return f"SPEEDRUN_SHIM_BACKEND={BACKEND!r}: known backends are {', '.join(SHIM_BACKENDS)}"
-    if BACKEND == "cudnn":
-        return _CUDNN_PROBLEM
+    if BACKEND in _FUSED:
+        return _FUSED_PROBLEM
     if _VARLEN is None:
         return _PARAMS
     if "window_size" not in _PARAMS and "is_causal" not in _PARAMS:
@@ -157,7 +162,7 @@ def flash_attn_varlen_func(
     if int(right) not in (0, -1):  # FA treats right=-1 under causal as 0
         raise NotImplementedError(f"fa3_shim.flash_attn_varlen_func: window right={right} (only 0) is not supported")
     if BACKEND != "varlen":
-        return _cudnn_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, left, softmax_scale)
+        return _fused_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, left, softmax_scale)
     if _VARLEN is None:
         raise RuntimeError(f"fa3_shim: {_PARAMS}")
     _require_cuda(q)
@@ -170,13 +175,13 @@ def flash_attn_varlen_func(
     return _VARLEN(q, k, v, cu_q, cu_k, max_q, max_k, **_window_kwargs(left, softmax_scale))
 
 
-def _cudnn_call(q, k, v, cu_q, cu_k, max_seqlen, left: int, softmax_scale) -> torch.Tensor:
-    """The call on speedrun's cuDNN backend: one ``cu_seqlens`` for queries and keys (upstream
+def _fused_call(q, k, v, cu_q, cu_k, max_seqlen, left: int, softmax_scale) -> torch.Tensor:
+    """The call on speedrun's fused backend: one ``cu_seqlens`` for queries and keys (upstream
     passes the same tensor for both), FA's left window in tokens as its ``window``."""
     problem = varlen_problem()
     if problem is not None:
         raise RuntimeError(f"fa3_shim: {problem}")
     if cu_k is not cu_q:
-        raise NotImplementedError("fa3_shim (cudnn): cu_seqlens_k must be cu_seqlens_q (self-attention over "
+        raise NotImplementedError(f"fa3_shim ({BACKEND}): cu_seqlens_k must be cu_seqlens_q (self-attention over "
                                   "one packed batch)")
-    return _CUDNN(q, k, v, cu_q, int(max_seqlen), window=None if left == -1 else left, scale=softmax_scale)
+    return _FUSED_FN(q, k, v, cu_q, int(max_seqlen), window=None if left == -1 else left, scale=softmax_scale)

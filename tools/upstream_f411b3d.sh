@@ -23,15 +23,18 @@ DATA=${DATA_DIR:-/tmp/webmix}
 WAIT_S=${WAIT_S:-540}
 mkdir -p "$OUT"
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
-# Which kernel answers upstream's FA3 calls (fa3_shim.py): varlen (torch's, the default) or cudnn
-# (speedrun's cuDNN backend: the repository and the carried frontend wheel go on PYTHONPATH).
+# Which kernel answers upstream's FA3 calls (fa3_shim.py): varlen (torch's, the default), cudnn or
+# fa4 (speedrun's backends: the repository and the carried wheels go on PYTHONPATH; fa4's packages
+# where tools/fa4_carry.sh installed them).
 # Use another UP_DIR per backend, e.g. UP_DIR=/tmp/upc SPEEDRUN_SHIM_BACKEND=cudnn.
 export SPEEDRUN_SHIM_BACKEND=${SPEEDRUN_SHIM_BACKEND:-varlen}
-if [ "$SPEEDRUN_SHIM_BACKEND" = cudnn ]; then
+if [ "$SPEEDRUN_SHIM_BACKEND" != varlen ]; then
   if ls "$R"/.whl/*.whl > /dev/null 2>&1 && [ ! -d /tmp/site/cudnn ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$R"/.whl/*.whl
   fi
   export PYTHONPATH=$R:/tmp/site:${PYTHONPATH:-}
+  fa4site=${FA4_SITE:-/tmp/fa4site}
+  [ -d "$fa4site" ] && export PYTHONPATH=$PYTHONPATH:$fa4site:$fa4site/nvidia_cutlass_dsl/dsl_packages
 fi
 
 decompress() {  # python's lzma: no dependence on the xz tool being installed
