@@ -104,6 +104,10 @@ tail -8 "$UP/stdout.txt" 2>/dev/null
 collect
 if [ -e "$UP/rc" ]; then
   log "upstream finished, exit status $(cat "$UP/rc")"
+  if [ "$(cat "$UP/rc")" != 0 ]; then  # the exception itself, which torchrun's summary above leaves out
+    grep -E "^(\[rank[0-9]+\]: )?[A-Za-z_.]*(Error|Exception)[:(]" "$UP/stdout.txt" 2>/dev/null | head -3 | cut -c1-300
+    grep -F "File \"$UP/" "$UP/stdout.txt" 2>/dev/null | tail -2 | cut -c1-300  # where in upstream's code
+  fi
 else
   log "upstream still running after ${WAIT_S}s: run the same command again to wait for it"
 fi
