@@ -50,6 +50,15 @@ def test_pr344_session_script_refuses_unknown_parts(tmp_path):
     assert not (tmp_path / "out").exists()  # refused before it made or ran anything
 
 
+def test_fa4_session_script_refuses_unknown_parts(tmp_path):
+    bash = shutil.which("bash") or pytest.skip("no bash")
+    script = [s for s in SCRIPTS if s.name == "fa4_session.sh"][0]
+    out = subprocess.run([bash, str(script), "5"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")}, cwd=tmp_path)
+    assert out.returncode == 2 and "usage" in out.stderr
+    assert not (tmp_path / "out").exists()  # refused before it made or ran anything
+
+
 def test_fa4_carry_refuses_what_it_cannot_do_and_checks_the_joined_parts(tmp_path):
     """Unknown commands, a stage without the prepared part, an install without the staged one,
     and parts of two different prepares (the checksum) each stop with a message before pip runs."""
