@@ -178,3 +178,86 @@ def test_the_watch_walks_once_over_steady_training_steps(tmp_path, switches):
     finally:
         session.close()
     assert walks[-1] == walks[1], walks  # settled after the first step: no walk since
+
+
+def _objects_marked_as_leaves(root) -> dict[str, list]:
+    """Every object reachable from ``root`` (as the watch's walk goes: modules, containers, this
+    package's objects) whose class sets ``address_leaf``, by class name."""
+    import torch.nn as nn
+
+    found: dict[str, list] = {}
+    seen: set[int] = set()
+
+    def visit(obj) -> None:
+        if id(obj) in seen or isinstance(obj, torch.Tensor):
+            return
+        seen.add(id(obj))
+        if getattr(type(obj), "address_leaf", False) is True:
+            found.setdefault(type(obj).__name__, []).append(obj)
+            return
+        if isinstance(obj, dict):
+            for v in obj.values():
+                visit(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                visit(v)
+        elif isinstance(obj, nn.Module) or type(obj).__module__.startswith("speedrun."):
+            for v in vars(obj).values():
+                visit(v)
+
+    visit(root)
+    return found
+
+
+def _holds_a_tensor(obj, seen=None) -> bool:
+    """Whether anything inside ``obj`` (attributes, containers, at any depth) is a tensor or a module."""
+    import torch.nn as nn
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    if isinstance(obj, (torch.Tensor, nn.Module)):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_a_tensor(v, seen) for v in [*obj.keys(), *obj.values()])
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return any(_holds_a_tensor(v, seen) for v in obj)
+    attrs = getattr(obj, "__dict__", None)
+    return attrs is not None and any(_holds_a_tensor(v, seen) for v in attrs.values())
+
+
+@pytest.mark.usefixtures("use_builtin_cache", "one_thread", "kernels_use_references")
+@pytest.mark.parametrize("name", ["tiny-record", "tiny-candidate", "tiny"])
+def test_objects_marked_as_address_leaves_hold_no_tensor(tmp_path, name):
+    """``address_leaf`` lets the watch skip an object (the configurations the model keeps): in the
+    presets' built runs, after a step, every such object holds no tensor at any depth, the walk
+    does not enter it, and the code paths do keep the marked classes (so this checks something)."""
+    from speedrun import distributed
+    from speedrun.config import apply_overrides, preset
+    from speedrun.evidence.bench import build_session
+    from speedrun.kernels.addressing import SKIP, value_kind
+
+    cfg = preset(name)
+    apply_overrides(cfg, ["model.num_layers=4", "train.batch_divisor=1024", f"out_dir={tmp_path}"])
+    session = build_session("arm", cfg, 0, distributed.setup(cfg.train.device))
+    try:
+        session.step()
+        model = session.model
+    finally:
+        session.close()
+    found = _objects_marked_as_leaves(model)
+    assert "ModelConfig" in found
+    if name != "tiny":
+        assert {"RecordArchConfig", "GateLayout"} <= set(found), sorted(found)
+    if name == "tiny-candidate":  # its FP8 kernels keep their options
+        assert "KernelOptions" in found, sorted(found)
+    for objs in found.values():
+        for obj in objs:
+            assert value_kind(type(obj)) == SKIP
+            assert not _holds_a_tensor(obj), type(obj).__name__
+    # the watch's walk looks at none of their fields
+    watch = AddressWatch([("model", model)])
+    watch.fingerprint()
+    marked_dicts = {id(vars(o)) for objs in found.values() for o in objs}
+    assert not any(id(h) in marked_dicts for h in [*watch._holders, *watch._leaf_holders, *watch._tensor_holders])

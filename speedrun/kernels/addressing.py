@@ -18,6 +18,12 @@ besides tensors (its dicts, lists and helper objects) is its own, reached throug
 
 Attributes named in ``address_transient`` are left out of the walk and of the count: state that
 lives within one micro-batch and is gone at every step boundary, where keys are taken.
+
+A class that never holds a tensor (a configuration: sizes, names, flags, index tables) can say so
+with the class attribute ``address_leaf = True``: its objects are then leaves, not entered, and
+the watch checks none of their fields.  It is a promise about the class, kept by a test
+(``tests/test_addresses.py``), and a plain attribute, so the configuration layer below this
+package needs no import to make it.
 """
 
 from __future__ import annotations
@@ -38,11 +44,11 @@ SKIP, TENSOR, DICT, SEQUENCE, MODULE, OBJECT = range(6)
 
 @functools.cache
 def value_kind(tp: type) -> int:
-    """What the walk does with a value of type ``tp``: skip it (a leaf), record it (a tensor),
-    or enter it (a dict, a list or tuple, an nn.Module, an object of this package or any
-    :class:`AddressVersioned` one).  Remembered per type: every walk and every attribute
-    assignment of a versioned object asks."""
-    if issubclass(tp, LEAF_TYPES):
+    """What the walk does with a value of type ``tp``: skip it (a leaf, or an object whose class
+    sets ``address_leaf``), record it (a tensor), or enter it (a dict, a list or tuple, an
+    nn.Module, an object of this package or any :class:`AddressVersioned` one).  Remembered per
+    type: every walk and every attribute assignment of a versioned object asks."""
+    if issubclass(tp, LEAF_TYPES) or getattr(tp, "address_leaf", False) is True:
         return SKIP
     if issubclass(tp, torch.Tensor):
         return TENSOR

@@ -31,6 +31,8 @@ class KernelOptions:
     kernels' own defaults.  Values outside the choices raise :class:`ConfigError` naming the
     ``train.*`` field they come from."""
 
+    address_leaf = True  # holds no tensor: the CUDA graphs' address watch need not look inside
+
     triton_launch: str = "cached"
     mlp_gemm: str = "auto"
     ce_sigmoid: str = "exact"

@@ -105,6 +105,8 @@ class RecordArchConfig:
     multiple of it, as the record pads to 8 ranks.
     """
 
+    address_leaf = True  # holds no tensor: the CUDA graphs' address watch need not look inside
+
     attnless_layers: tuple[int, ...] = (6,)
     paired_head_layers: tuple[int, ...] = (0, 2, 5, 9)
     xsa_layers: tuple[int, ...] = (1, 3, 4, 7)

@@ -250,6 +250,8 @@ class GateLayout:
     injecting layer, then (post gate only) the skip gate and, per DC layer, w1 (H) and w2 (H).
     """
 
+    address_leaf = True  # holds no tensor: the CUDA graphs' address watch need not look inside
+
     num_heads: int
     xsa: dict[int, slice] = field(default_factory=dict)
     attn_gate: dict[int, slice] = field(default_factory=dict)
