@@ -28,7 +28,7 @@ class FakeFA4:
         return reference_attention(q, k, v, cu, kw["max_seqlen_q"], window=window, scale=kw["softmax_scale"])
 
     def fwd(self, q, k, v, **kw):
-        self.calls.append(("fwd", kw))
+        self.calls.append(("fwd", dict(kw, widths=(q.shape[-1], v.shape[-1]))))
         out = self._reference(q.float(), k.float(), v.float(), kw).to(q.dtype)
         lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
         return out, lse, None, None, None
@@ -206,3 +206,41 @@ def test_self_check_passes_a_correct_backend_and_names_what_a_wrong_one_gets_wro
         raise RuntimeError("kernel exploded")
 
     assert check_against_reference(broken, cpu) == "self-check failed: RuntimeError: kernel exploded"
+
+
+@pytest.mark.parametrize("qk", [16, 32])
+def test_record_network_on_fa4_trains_as_on_the_reference(fake, monkeypatch, qk):
+    """The record network (paired-head layers, short and long windows, Q/K narrower than V or
+    equal) choosing ``fa4``: the backend gets unpadded Q/K and the network's windows, and the loss
+    and every parameter gradient equal the reference backend's (FA4 stood in by the reference, so
+    the match checks the wiring: what the network hands the backend and what comes back)."""
+    from types import SimpleNamespace
+
+    from speedrun.config import ModelConfig
+    from speedrun.model.interface import ForwardArgs
+    from speedrun.model.record import RecordGPT
+
+    monkeypatch.setattr(fa4, "fa4_problem", lambda device: None)  # the stand-in runs on the CPU
+    base = dict(vocab_size=257, num_layers=6, model_dim=64, num_heads=2, qk_head_dim=qk, v_head_dim=32,
+                architecture="record")
+    args = ForwardArgs(window_short=32, window_long=96, mtp_weights=(1.0, 0.5), prefix_weight=0.0)
+    g = torch.Generator().manual_seed(3)
+    T = 256
+    batch = SimpleNamespace(inputs=torch.randint(0, 257, (T,), generator=g, dtype=torch.int32),
+                            targets=torch.randint(0, 257, (T,), generator=g),
+                            cu_seqlens=torch.tensor([0, 70, 71, 200, T, T], dtype=torch.int32), max_seqlen=129,
+                            bigram=None)
+    out = {}
+    for name in ("reference", "fa4"):
+        torch.manual_seed(0)
+        m = RecordGPT(ModelConfig(**base, attention_backend=name))
+        loss = m.loss(batch, args)
+        loss.backward()
+        out[name] = (loss.item(), torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
+    (l_ref, g_ref), (l_fa4, g_fa4) = out["reference"], out["fa4"]
+    fwd = [kw for c, kw in fake.calls if c == "fwd"]
+    assert {kw["window_size_left"] for kw in fwd} == {32, 96}  # the network's short and long windows
+    assert {kw["widths"] for kw in fwd} == {(qk, 32)}  # Q/K unpadded, whatever their width
+    assert fake.calls and all(kw["cu_seqlens_q"].dtype == torch.int32 for _, kw in fake.calls)
+    assert abs(l_fa4 - l_ref) <= 1e-2 * abs(l_ref), (l_fa4, l_ref)
+    assert ((g_fa4 - g_ref).norm() / g_ref.norm()).item() < 3e-2
