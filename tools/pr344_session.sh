@@ -4,7 +4,8 @@
 #
 #   a  start #344's short run in its own session (tools/upstream_pr344.sh, ~8 minutes of compile),
 #      GPU tests beside its compile (small shapes only: they must not share the GPU with its timed
-#      steps), then wait for it
+#      steps; TESTS_PATHS and TESTS_K choose them, by default the whole-compile training test, the
+#      one `test_train_gpu.py` case no call has finished), then wait for it
 #   b  record and candidate interleaved at stages 1 and 2 (if #344 is still running, the call only
 #      waits for it and says to run part b again)
 #   c  stage 3, one arm per process (two stage-3 graph arms do not fit an 80 GB card)
@@ -37,7 +38,7 @@ case $part in
   a)
     pr344 1; pack
     OUT=$W/tests BUDGET_S=${TESTS_BUDGET_S:-300} TESTS_S=${TESTS_BUDGET_S:-300} TESTS_ARGS="--timeout=200" \
-      TESTS_PATHS="${TESTS_PATHS:-tests/gpu/test_rank_of_n_gpu.py tests/gpu/test_train_gpu.py tests/gpu/test_attention_gpu.py}" \
+      TESTS_PATHS="${TESTS_PATHS:-tests/gpu/test_train_gpu.py}" TESTS_K="${TESTS_K-compiles_whole}" \
       bash "$R/tools/device_run.sh" tests; pack
     pr344 "${WAIT_S:-220}"; pack ;;
   b)
