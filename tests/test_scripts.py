@@ -41,19 +41,11 @@ def test_multigpu_script_refuses_unknown_parts(tmp_path):
     assert out.returncode == 2 and "unknown part nonsense" in out.stderr
 
 
-def test_pr344_session_script_refuses_unknown_parts(tmp_path):
+@pytest.mark.parametrize("name, part", [("pr344_session.sh", "d"), ("fa4_session.sh", "5")])
+def test_session_script_refuses_unknown_parts(tmp_path, name, part):
     bash = shutil.which("bash") or pytest.skip("no bash")
-    script = [s for s in SCRIPTS if s.name == "pr344_session.sh"][0]
-    out = subprocess.run([bash, str(script), "d"], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")}, cwd=tmp_path)
-    assert out.returncode == 2 and "usage" in out.stderr
-    assert not (tmp_path / "out").exists()  # refused before it made or ran anything
-
-
-def test_fa4_session_script_refuses_unknown_parts(tmp_path):
-    bash = shutil.which("bash") or pytest.skip("no bash")
-    script = [s for s in SCRIPTS if s.name == "fa4_session.sh"][0]
-    out = subprocess.run([bash, str(script), "5"], capture_output=True, text=True,
+    script = [s for s in SCRIPTS if s.name == name][0]
+    out = subprocess.run([bash, str(script), part], capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")}, cwd=tmp_path)
     assert out.returncode == 2 and "usage" in out.stderr
     assert not (tmp_path / "out").exists()  # refused before it made or ran anything

@@ -164,6 +164,16 @@ def available_backends(device: torch.device | str | None = None) -> dict[str, tu
     return out
 
 
+def half_precision(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``q, k, v`` in one 16-bit dtype, as the fused kernels take them: q's when it is bf16 or
+    fp16, else bf16 (the caller casts the result back to its own dtype)."""
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return q, k.to(q.dtype), v.to(q.dtype)
+    return q, k, v
+
+
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, backend: str) -> None:
     """Raise ConfigError naming the backend and shapes when inputs do not fit the interface."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:

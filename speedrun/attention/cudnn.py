@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from speedrun.attention import check_inputs
+from speedrun.attention import check_inputs, half_precision
 from speedrun.errors import ConfigError
 
 INSTALL_HINT = 'pip install -e ".[cudnn]"'
@@ -491,10 +491,7 @@ def cudnn_varlen_attention(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     out_dtype = v.dtype
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
-    elif k.dtype != q.dtype or v.dtype != q.dtype:
-        k, v = k.to(q.dtype), v.to(q.dtype)
+    q, k, v = half_precision(q, k, v)
     if window is not None and int(window) == 0:
         y = _DiagonalOnly.apply(q, k, v)
         return y if y.dtype == out_dtype else y.to(out_dtype)

@@ -30,7 +30,7 @@ import importlib.util
 
 import torch
 
-from speedrun.attention import check_inputs
+from speedrun.attention import check_inputs, half_precision
 from speedrun.errors import ConfigError
 
 INSTALL_HINT = 'pip install -e ".[fa4]"'
@@ -165,10 +165,7 @@ def fa4_varlen_attention(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     out_dtype = v.dtype
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
-    elif k.dtype != q.dtype or v.dtype != q.dtype:
-        k, v = k.to(q.dtype), v.to(q.dtype)
+    q, k, v = half_precision(q, k, v)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     y = _FA4Attention.apply(q, k, v, cu, int(max_seqlen), -1 if window is None else int(window), float(scale))
     return y if y.dtype == out_dtype else y.to(out_dtype)
