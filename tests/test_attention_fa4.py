@@ -164,14 +164,18 @@ def test_bad_inputs_give_clear_errors(fake):
     assert fake.calls == []
 
 
-def test_auto_tries_fa4_after_cudnn(monkeypatch):
-    problems = {"cudnn": "not installed", "fa4": None, "fa3": None, "varlen": None}
+def test_auto_prefers_fa4_then_cudnn(monkeypatch):
+    """fa4 first (the fastest measured), cudnn when fa4 cannot run, each skip said once."""
+    problems = {"cudnn": None, "fa4": None, "fa3": None, "varlen": None}
     monkeypatch.setattr(attn, "backend_problem", lambda name, device: problems.get(name))
     attn._warn_skipped.cache_clear()
-    with pytest.warns(UserWarning, match="skipping cudnn"):
-        assert attn.resolve_backend("auto", "cuda") == "fa4"
+    assert attn.resolve_backend("auto", "cuda") == "fa4"
     problems["fa4"] = "self-check failed: dq at D_qk=96 differs"
-    assert attn.resolve_backend("auto", "cuda") == "fa3"
+    with pytest.warns(UserWarning, match="skipping fa4: self-check failed"):
+        assert attn.resolve_backend("auto", "cuda") == "cudnn"
+    problems["cudnn"] = "not installed"
+    with pytest.warns(UserWarning, match="skipping cudnn: not installed"):
+        assert attn.resolve_backend("auto", "cuda") == "fa3"
 
 
 def test_available_backends_lists_fa4():
@@ -244,3 +248,30 @@ def test_record_network_on_fa4_trains_as_on_the_reference(fake, monkeypatch, qk)
     assert fake.calls and all(kw["cu_seqlens_q"].dtype == torch.int32 for _, kw in fake.calls)
     assert abs(l_fa4 - l_ref) <= 1e-2 * abs(l_ref), (l_fa4, l_ref)
     assert ((g_fa4 - g_ref).norm() / g_ref.norm()).item() < 3e-2
+
+
+def test_only_fa4_s_compile_note_is_silenced_and_only_while_compiling(fake, monkeypatch):
+    """The CuTe DSL's note about FA4's ``aux_data`` argument, emitted as a kernel compiles, is
+    silenced in the call that compiles it; any other warning there, and the same note from a call
+    that does not compile, still reaches the caller."""
+    import warnings
+
+    note = ("Argument aux_data (position 17) cannot be converted to a JitArgument for function "
+            "'cutlass___call___flash_attncuteflash_fwd_sm90'. Its type is not supported.")
+    real_fwd = fake.fwd
+
+    def noisy_fwd(q, k, v, **kw):
+        warnings.warn(note, UserWarning)
+        warnings.warn("something else FA4 says", UserWarning)
+        return real_fwd(q, k, v, **kw)
+
+    monkeypatch.setattr(fa4, "_kernels", lambda: (noisy_fwd, fake.bwd))
+    q, k, v = _inputs()
+    with warnings.catch_warnings(record=True) as first:
+        warnings.simplefilter("always")
+        fa4.fa4_varlen_attention(q, k, v, CU, 30, window=7)
+    assert [str(w.message) for w in first] == ["something else FA4 says"]
+    with warnings.catch_warnings(record=True) as again:  # same configuration: nothing compiles
+        warnings.simplefilter("always")
+        fa4.fa4_varlen_attention(q, k, v, CU, 30, window=3)
+    assert [str(w.message) for w in again] == [note, "something else FA4 says"]

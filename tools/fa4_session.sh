@@ -42,7 +42,7 @@ case $part in
     tail -40 "$W/attention.txt"; pack ;;
   3|4)
     preset=$([ "$part" = 3 ] && echo candidate || echo record)
-    for backend in fa4 cudnn; do  # the bench budgets: docs/status.md, "Time a bench needs"
+    for backend in ${BACKENDS:-fa4 cudnn}; do  # BACKENDS: which, in order; the bench budgets: docs/status.md, "Time a bench needs"
       arm=${preset:0:4}_$backend=$preset:model.attention_backend=$backend
       OUT=$W/$backend BUDGET_S=270 STAGES=2 BENCH_ARMS="$arm" bash "$R/tools/device_run.sh" record 2>&1 | tail -12
       pack

@@ -20,9 +20,9 @@ kernel; pads Q/K with zeros to D_v), ``fa3`` (FlashAttention-3 through the optio
 package), ``cudnn`` (cuDNN's fused attention through the optional ``nvidia-cudnn-frontend``
 package; takes D_qk != D_v natively), ``fa4`` (FlashAttention-4's CuTe-DSL kernels through the
 optional ``flash-attn-4`` package; takes D_qk != D_v natively).  ``auto`` picks the fastest
-that works on the tensors' device; on CUDA a backend with a self-check (cudnn, fa4) must also
-pass it, and when ``auto`` passes over cudnn it says why once (a warning naming the reason and
-the install command).
+that works on the tensors' device; on CUDA a backend with a self-check (fa4, cudnn) must also
+pass it, and when ``auto`` passes over one of them it says why once (a warning naming the reason
+and the install command).
 
 A backend function with ``pads_qk_to_v = True`` runs with D_qk == D_v only and zero-pads narrower
 Q/K itself; a caller that can produce Q/K already padded (zeros in the extra columns, ``scale``
@@ -41,10 +41,13 @@ from speedrun.errors import ConfigError
 
 AttentionFn = Callable[..., torch.Tensor]
 
-# Preference order for "auto" on CUDA, fastest first at the record's stage-3 shapes
-# (benchmarks/bench_attention.py times them; fa3 and fa4 are not timed yet, so they come after
-# the measured cudnn).
-_CUDA_PREFERENCE = ("cudnn", "fa4", "fa3", "varlen", "flex", "reference")
+# Preference order for "auto" on CUDA: fastest first at the record's stage-3 shapes on Hopper,
+# both Q/K widths, as benchmarks/bench_attention.py measured them (docs/status.md, "Attention
+# alone"); fa3 has never run here (it needs the network), so it comes after the measured ones.
+_CUDA_PREFERENCE = ("fa4", "cudnn", "fa3", "varlen", "flex", "reference")
+# the fused backends whose absence or failed self-check ``auto`` reports: each is faster than
+# what it falls back to, so a user should hear why it was not used
+_REPORTED_WHEN_SKIPPED = ("fa4", "cudnn")
 BACKENDS = ("reference", "flex", "varlen", "fa3", "cudnn", "fa4")
 
 
@@ -114,7 +117,7 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
             problem = backend_problem(candidate, device)
             if problem is None:
                 return candidate
-            if candidate == "cudnn":
+            if candidate in _REPORTED_WHEN_SKIPPED:
                 _warn_skipped(candidate, problem)
         return "reference"
     problem = backend_problem(name, device)

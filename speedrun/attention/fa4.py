@@ -25,8 +25,10 @@ Autograd and ``torch.compile``.  The forward and the backward run as two custom 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import warnings
 
 import torch
 
@@ -67,26 +69,46 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _note_config(direction: str, q: torch.Tensor, v: torch.Tensor, window: int) -> None:
-    """Record the kernel configuration this call needs; a new one inside a CUDA-graph capture is
-    refused with a message (FA4 would compile there, which a capture does not allow)."""
+def _note_config(direction: str, q: torch.Tensor, v: torch.Tensor, window: int) -> bool:
+    """Record the kernel configuration this call needs and say whether it is new (FA4 compiles
+    it in this call); a new one inside a CUDA-graph capture is refused with a message (FA4 would
+    compile there, which a capture does not allow)."""
     key = (direction, q.shape[-1], v.shape[-1], q.dtype, window >= 0, q.device.index)
     if key in _SEEN_CONFIGS:
-        return
+        return False
     if _capturing(q):
         raise RuntimeError(f"fa4 attention: a {direction} with D_qk={key[1]}, D_v={key[2]}, {key[3]}, "
                            f"{'windowed' if key[4] else 'causal'} met for the first time inside CUDA-graph "
                            "capture, where FA4 cannot compile it; run one eager forward and backward with "
                            "these shapes before capturing")
     _SEEN_CONFIGS.add(key)
+    return True
+
+
+# While it compiles a kernel, the CuTe DSL warns that FA4's own ``aux_data`` argument is not a JIT
+# argument (FA4 means it as a compile-time value): a note about FA4's code, nothing the caller can
+# act on, printed for every kernel of every run.  Only that warning, only while compiling.
+_FA4_COMPILE_NOISE = r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument"
+
+
+@contextlib.contextmanager
+def _compiling(new_config: bool):
+    """Around a kernel call: silence FA4's compile-time note when the call compiles."""
+    if not new_config:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_FA4_COMPILE_NOISE, category=UserWarning)
+        yield
 
 
 def _fwd_impl(q, k, v, cu_seqlens, max_seqlen: int, window: int, scale: float):
     fwd, _ = _kernels()
-    _note_config("forward", q, v, window)
-    out, lse, *_ = fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                       max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True,
-                       window_size_left=_window_arg(window), window_size_right=None, return_lse=True)
+    with _compiling(_note_config("forward", q, v, window)):
+        out, lse, *_ = fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q=cu_seqlens,
+                           cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+                           softmax_scale=scale, causal=True, window_size_left=_window_arg(window),
+                           window_size_right=None, return_lse=True)
     return out, lse
 
 
@@ -98,11 +120,11 @@ def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, window, scale):
 
 def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, window: int, scale: float):
     _, bwd = _kernels()
-    _note_config("backward", q, v, window)
-    dq, dk, dv = bwd(q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), dout.contiguous(),
-                     lse.contiguous(), softmax_scale=scale, causal=True, window_size_left=_window_arg(window),
-                     window_size_right=None, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                     max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)[:3]
+    with _compiling(_note_config("backward", q, v, window)):
+        dq, dk, dv = bwd(q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), dout.contiguous(),
+                         lse.contiguous(), softmax_scale=scale, causal=True, window_size_left=_window_arg(window),
+                         window_size_right=None, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                         max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)[:3]
     return dq, dk, dv
 
 
