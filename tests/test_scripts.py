@@ -41,13 +41,18 @@ def test_multigpu_script_refuses_unknown_parts(tmp_path):
     assert out.returncode == 2 and "unknown part nonsense" in out.stderr
 
 
-@pytest.mark.parametrize("name, part", [("pr344_session.sh", "d"), ("fa4_session.sh", "5")])
-def test_session_script_refuses_unknown_parts(tmp_path, name, part):
+@pytest.mark.parametrize("name, part, env, says", [
+    ("upstream_session.sh", "d", {}, "usage"),
+    ("upstream_session.sh", "a", {"UPSTREAM": "pr999"}, "UPSTREAM must be pr344 or f411b3d"),
+    ("upstream_session.sh", "b", {"BACKEND": "fa3"}, "BACKEND must be varlen, cudnn or fa4"),
+    ("fa4_session.sh", "5", {}, "usage"),
+])
+def test_session_script_refuses_unknown_parts(tmp_path, name, part, env, says):
     bash = shutil.which("bash") or pytest.skip("no bash")
     script = [s for s in SCRIPTS if s.name == name][0]
     out = subprocess.run([bash, str(script), part], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")}, cwd=tmp_path)
-    assert out.returncode == 2 and "usage" in out.stderr
+                         env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), **env}, cwd=tmp_path)
+    assert out.returncode == 2 and says in out.stderr
     assert not (tmp_path / "out").exists()  # refused before it made or ran anything
 
 

@@ -2,13 +2,15 @@
 # The fa4 attention backend on a GPU, in four device calls on one warm machine (issue each within
 # 30 s of the last one's end: the machine goes back then, and with it what call 1 staged).
 #
-#   1  carry `.fa4a` only: stage its part of FA4's packages (tools/fa4_carry.sh stage), then the
-#      compiled graph-vs-eager GPU tests, which need no carried data
+#   1  carry `.fa4a` only: stage its part of FA4's packages (tools/fa4_carry.sh stage), then GPU
+#      tests that need no carried data (TESTS_PATHS, TESTS_K, TESTS_ARGS; by default the compiled
+#      graph-vs-eager tests)
 #   2  carry `.fa4b`, `.carry` and `.whl`: install FA4 (tools/fa4_carry.sh install), the fused
 #      backends' GPU tests for fa4 and cudnn, then every attention backend timed at stage-3 shapes
 #      (benchmarks/bench_attention.py: fa4, cudnn, varlen, flex interleaved)
-#   3  carry `.carry` and `.whl`: the candidate's stage-3 step on fa4 and on cudnn, one arm per
-#      process (two stage-3 graph arms do not fit an 80 GB card), back to back
+#   3  carry `.carry` and `.whl`: the candidate's stage-3 step on fa4 and on cudnn (BACKENDS="fa4
+#      varlen" names others), one arm per process (two stage-3 graph arms do not fit an 80 GB
+#      card), back to back
 #   4  the same for the record
 #
 # Before call 1, here: `bash tools/fa4_carry.sh prepare` (downloads; makes .fa4a and .fa4b).
@@ -29,8 +31,9 @@ case $part in
   1)
     bash "$R/tools/fa4_carry.sh" stage > "$W/stage.txt" 2>&1 || { cat "$W/stage.txt"; pack; exit 1; }
     pack
-    OUT=$W/tests BUDGET_S=${TESTS_BUDGET_S:-540} TESTS_S=${TESTS_BUDGET_S:-540} TESTS_ARGS="--timeout=400" \
-      TESTS_PATHS=tests/gpu/test_graphs_gpu.py TESTS_K=compiled bash "$R/tools/device_run.sh" tests; pack ;;
+    OUT=$W/tests BUDGET_S=${TESTS_BUDGET_S:-540} TESTS_S=${TESTS_BUDGET_S:-540} TESTS_ARGS="${TESTS_ARGS:---timeout=400}" \
+      TESTS_PATHS="${TESTS_PATHS:-tests/gpu/test_graphs_gpu.py}" TESTS_K="${TESTS_K-compiled}" \
+      bash "$R/tools/device_run.sh" tests; pack ;;
   2)
     bash "$R/tools/fa4_carry.sh" install > "$W/install.txt" 2>&1; rc=$?
     cat "$W/install.txt"; pack

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# An upstream code's short run beside our record and candidate on one GPU, on one attention
+# backend, in three device calls on one warm machine (issue a call within 30 s of the last one's
+# end: the machine goes back then).
+#
+#   UPSTREAM  pr344 (default: modded-nanogpt PR #344, tools/upstream_pr344.sh, compared with our
+#             candidate) or f411b3d (tools/upstream_f411b3d.sh, compared with our record)
+#   BACKEND   varlen (default), cudnn or fa4: upstream's attention shim and every arm of ours use it
+#             (fa4: run `tools/fa4_session.sh 1` in the call before part a, carrying `.fa4a`, and
+#             carry `.fa4b` beside `.carry` and `.whl` in part a, which then installs FA4)
+#
+#   a  start the upstream run in its own session (~8 minutes of compile), GPU tests beside its
+#      compile (small shapes only: they must not share the GPU with its timed steps; TESTS_PATHS
+#      and TESTS_K choose them, by default the whole-compile training test), then wait for it
+#   b  record and candidate interleaved at stages 1 and 2 (if upstream is still running, the call
+#      only waits for it and says to run part b again)
+#   c  stage 3, one arm per process (two stage-3 graph arms do not fit an 80 GB card)
+#
+# On the GPU machine, repo root as cwd, `.carry` and `.whl` carried (see tools/device_run.sh and
+# tools/upstream_f411b3d.sh for what they hold):   [UPSTREAM=..] [BACKEND=..] bash tools/upstream_session.sh a|b|c
+# Everything a part writes goes to /tmp/upstream_session/<upstream>-<backend>/<part>/ and is
+# packed into $OUT/<upstream>-<backend>_<part>.tgz after every step, so a call cut by its time
+# limit still brings back what finished.  Here, after part c: `speedrun bench project` of the
+# three stages' JSONs with `--upstream <upstream>=<b>/upstream_steps.json:<preset>` (the
+# folder's README names the files).
+#
+# The bench budgets below leave room for each arm's warmup, captures and self-checks besides its
+# timed steps (docs/status.md, "Time a bench needs").
+set -u
+part=${1:-}
+case $part in a|b|c) ;; *) echo "usage: [UPSTREAM=pr344|f411b3d] [BACKEND=varlen|cudnn|fa4] $0 a|b|c" >&2; exit 2 ;; esac
+UPSTREAM=${UPSTREAM:-pr344}
+BACKEND=${BACKEND:-varlen}
+case $UPSTREAM in
+  pr344) up_script=upstream_pr344.sh; up_preset=candidate ;;
+  f411b3d) up_script=upstream_f411b3d.sh; up_preset=record ;;
+  *) echo "UPSTREAM must be pr344 or f411b3d, not $UPSTREAM" >&2; exit 2 ;;
+esac
+case $BACKEND in varlen|cudnn|fa4) ;; *) echo "BACKEND must be varlen, cudnn or fa4, not $BACKEND" >&2; exit 2 ;; esac
+R=$(pwd)
+name=$UPSTREAM-$BACKEND
+W=/tmp/upstream_session/$name/$part
+O=${OUT:-$R/bench_out}
+mkdir -p "$W" "$O"
+pack() { tar czf "$O/${name}_$part.tgz" -C "$W" .; }
+git log --oneline -1 > "$W/commit.txt" 2>/dev/null
+UPA="--scheduled 45 --extension 2 --val-tokens 2097152"
+V=model.attention_backend=$BACKEND
+upstream() {  # wait (up to $1 s) for the run part a started, collecting its outputs into $W/upstream
+  OUT=$W/upstream WAIT_S=$1 DATA_DIR=/tmp/webmix_up SPEEDRUN_SHIM_BACKEND=$BACKEND \
+    bash "$R/tools/$up_script" $UPA 2>&1 | tail -15
+}
+export UP_DIR=/tmp/up_$name UP_NAME=$UPSTREAM UP_PRESET=$up_preset CHAIN=3 HOST_STEPS=3 SYNC_SCAN=0
+case $part in
+  a)
+    if [ "$BACKEND" = fa4 ] && [ ! -d "${FA4_SITE:-/tmp/fa4site}" ]; then
+      bash "$R/tools/fa4_carry.sh" install > "$W/fa4_install.txt" 2>&1 || { cat "$W/fa4_install.txt"; pack; exit 1; }
+    fi
+    upstream 1; pack
+    OUT=$W/tests BUDGET_S=${TESTS_BUDGET_S:-300} TESTS_S=${TESTS_BUDGET_S:-300} TESTS_ARGS="--timeout=200" \
+      TESTS_PATHS="${TESTS_PATHS:-tests/gpu/test_train_gpu.py}" TESTS_K="${TESTS_K-compiles_whole}" \
+      bash "$R/tools/device_run.sh" tests; pack
+    upstream "${WAIT_S:-220}"; pack ;;
+  b)
+    if [ ! -e "$UP_DIR/rc" ]; then  # still running: this call only waits (the benches need a call of their own)
+      upstream "${WAIT_S:-500}"; pack
+      [ -e "$UP_DIR/rc" ] && echo "$UPSTREAM's run finished: run part b again for the benches" >&2
+      exit 1
+    fi
+    OUT=$W BUDGET_S=${BUDGET_S:-560} STAGES="0 1" BENCH_ARMS="recg=record:$V candg=candidate:$V" \
+      bash "$R/tools/device_run.sh" record; pack ;;
+  c)
+    OUT=$W/cand BUDGET_S=270 STAGES=2 BENCH_ARMS="candg=candidate:$V" bash "$R/tools/device_run.sh" record; pack
+    OUT=$W/rec BUDGET_S=270 STAGES=2 BENCH_ARMS="recg=record:$V" bash "$R/tools/device_run.sh" record; pack ;;
+esac
+date -u
