@@ -131,6 +131,28 @@ def test_a_new_kernel_configuration_inside_a_capture_is_refused(fake, monkeypatc
         fa4.fa4_varlen_attention(*_inputs(dqk=128), CU, 30, window=7)
 
 
+def test_a_configuration_whose_compile_failed_is_not_counted_as_compiled(fake, monkeypatch):
+    """A call that raised (FA4's compile failing) leaves its configuration unmet: a later call
+    inside a capture is refused instead of trusting a kernel that was never built."""
+    q, k, v = _inputs()
+    real_fwd = fake.fwd
+
+    def failing_fwd(*args, **kw):
+        raise RuntimeError("CuTe DSL: compile failed")
+
+    monkeypatch.setattr(fa4, "_kernels", lambda: (failing_fwd, fake.bwd))
+    with pytest.raises(RuntimeError, match="compile failed"):
+        fa4.fa4_varlen_attention(q, k, v, CU, 30, window=7)
+    monkeypatch.setattr(fa4, "_capturing", lambda t: True)
+    monkeypatch.setattr(fa4, "_kernels", lambda: (real_fwd, fake.bwd))
+    with pytest.raises(RuntimeError, match="first time inside CUDA-graph capture"):
+        fa4.fa4_varlen_attention(q, k, v, CU, 30, window=7)
+    monkeypatch.setattr(fa4, "_capturing", lambda t: False)
+    fa4.fa4_varlen_attention(q, k, v, CU, 30, window=7)  # compiles (eagerly) this time
+    monkeypatch.setattr(fa4, "_capturing", lambda t: True)
+    fa4.fa4_varlen_attention(q, k, v, CU, 30, window=7)  # and is then allowed in a capture
+
+
 # ---------------------------------------------------------------- selection and errors
 
 

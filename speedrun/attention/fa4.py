@@ -16,7 +16,7 @@ the dtype, causal or windowed, and the direction, not on the token count or the 
 so a run compiles a handful, in its untimed warmup.  Later calls only launch, on torch's current
 stream, with memory from torch's caching allocator and no host synchronisation (``max_seqlen``
 is given), so they can be captured in a CUDA graph; a configuration first met inside a capture
-is refused with a message (:func:`_note_config`), as compiling there cannot work.
+is refused with a message (:func:`_new_config`), as compiling there cannot work.
 
 Autograd and ``torch.compile``.  The forward and the backward run as two custom ops
 (``speedrun::fa4_fwd`` / ``speedrun::fa4_bwd``, with shape functions), joined by a
@@ -69,20 +69,19 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _note_config(direction: str, q: torch.Tensor, v: torch.Tensor, window: int) -> bool:
-    """Record the kernel configuration this call needs and say whether it is new (FA4 compiles
-    it in this call); a new one inside a CUDA-graph capture is refused with a message (FA4 would
-    compile there, which a capture does not allow)."""
+def _new_config(direction: str, q: torch.Tensor, v: torch.Tensor, window: int) -> tuple | None:
+    """The kernel configuration this call needs when FA4 has not compiled it yet (this call will),
+    else None; a new one inside a CUDA-graph capture is refused with a message (FA4 would compile
+    there, which a capture does not allow)."""
     key = (direction, q.shape[-1], v.shape[-1], q.dtype, window >= 0, q.device.index)
     if key in _SEEN_CONFIGS:
-        return False
+        return None
     if _capturing(q):
         raise RuntimeError(f"fa4 attention: a {direction} with D_qk={key[1]}, D_v={key[2]}, {key[3]}, "
                            f"{'windowed' if key[4] else 'causal'} met for the first time inside CUDA-graph "
                            "capture, where FA4 cannot compile it; run one eager forward and backward with "
                            "these shapes before capturing")
-    _SEEN_CONFIGS.add(key)
-    return True
+    return key
 
 
 # While it compiles a kernel, the CuTe DSL warns that FA4's own ``aux_data`` argument is not a JIT
@@ -92,19 +91,21 @@ _FA4_COMPILE_NOISE = r"Argument aux_data \(position \d+\) cannot be converted to
 
 
 @contextlib.contextmanager
-def _compiling(new_config: bool):
-    """Around a kernel call: silence FA4's compile-time note when the call compiles."""
-    if not new_config:
+def _compiling(new_config: tuple | None):
+    """Around a kernel call: when the call compiles ``new_config``, silence FA4's compile-time
+    note, and count the configuration as compiled once the call has succeeded."""
+    if new_config is None:
         yield
         return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_FA4_COMPILE_NOISE, category=UserWarning)
         yield
+    _SEEN_CONFIGS.add(new_config)
 
 
 def _fwd_impl(q, k, v, cu_seqlens, max_seqlen: int, window: int, scale: float):
     fwd, _ = _kernels()
-    with _compiling(_note_config("forward", q, v, window)):
+    with _compiling(_new_config("forward", q, v, window)):
         out, lse, *_ = fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q=cu_seqlens,
                            cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
                            softmax_scale=scale, causal=True, window_size_left=_window_arg(window),
@@ -120,7 +121,7 @@ def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, window, scale):
 
 def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, window: int, scale: float):
     _, bwd = _kernels()
-    with _compiling(_note_config("backward", q, v, window)):
+    with _compiling(_new_config("backward", q, v, window)):
         dq, dk, dv = bwd(q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), dout.contiguous(),
                          lse.contiguous(), softmax_scale=scale, causal=True, window_size_left=_window_arg(window),
                          window_size_right=None, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
