@@ -325,10 +325,10 @@ def test_auto_takes_cudnn_without_fa4_and_falls_back_with_a_message(monkeypatch)
     problems = {"cudnn": None, "fa4": "not installed", "fa3": "no kernels", "varlen": None, "flex": None}
     monkeypatch.setattr(attn, "backend_problem", lambda name, device: problems.get(name))
     attn._warn_skipped.cache_clear()
-    with pytest.warns(UserWarning, match="skipping fa4: not installed"):
+    with pytest.warns(UserWarning, match="auto: skipping fa4: not installed; using cudnn$"):
         assert attn.resolve_backend("auto", "cuda") == "cudnn"
     problems["cudnn"] = "self-check failed: out at D_qk=96 differs from the reference (rel err 1.0e+00)"
-    with pytest.warns(UserWarning, match="skipping cudnn: self-check failed.*trying the next backend"):
+    with pytest.warns(UserWarning, match="skipping fa4: not installed; skipping cudnn: self-check failed.*; using varlen$"):
         assert attn.resolve_backend("auto", "cuda") == "varlen"
     assert attn.resolve_backend("auto", "cpu") == "reference"
     with pytest.raises(ConfigError, match="cudnn.*self-check failed"):

@@ -5,6 +5,8 @@ autograd / torch.compile plumbing, with FA4's two entry points stood in by the r
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -187,17 +189,22 @@ def test_bad_inputs_give_clear_errors(fake):
 
 
 def test_auto_prefers_fa4_then_cudnn(monkeypatch):
-    """fa4 first (the fastest measured), cudnn when fa4 cannot run, each skip said once."""
+    """fa4 first (the fastest measured), cudnn when fa4 cannot run; what was passed over and what
+    was taken said in one warning, once."""
     problems = {"cudnn": None, "fa4": None, "fa3": None, "varlen": None}
     monkeypatch.setattr(attn, "backend_problem", lambda name, device: problems.get(name))
     attn._warn_skipped.cache_clear()
     assert attn.resolve_backend("auto", "cuda") == "fa4"
     problems["fa4"] = "self-check failed: dq at D_qk=96 differs"
-    with pytest.warns(UserWarning, match="skipping fa4: self-check failed"):
+    with pytest.warns(UserWarning, match="skipping fa4: self-check failed: dq at D_qk=96 differs; using cudnn$"):
+        assert attn.resolve_backend("auto", "cuda") == "cudnn"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: the same again stays quiet
         assert attn.resolve_backend("auto", "cuda") == "cudnn"
     problems["cudnn"] = "not installed"
-    with pytest.warns(UserWarning, match="skipping cudnn: not installed"):
+    with pytest.warns(UserWarning, match="skipping fa4: self-check.*; skipping cudnn: not installed; using fa3$") as said:
         assert attn.resolve_backend("auto", "cuda") == "fa3"
+    assert len(said) == 1
 
 
 def test_available_backends_lists_fa4():

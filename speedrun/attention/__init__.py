@@ -113,13 +113,18 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
     if name == "auto":
         if device.type != "cuda":
             return "reference"
+        skipped: list[tuple[str, str]] = []
         for candidate in _CUDA_PREFERENCE:
             problem = backend_problem(candidate, device)
             if problem is None:
-                return candidate
+                break
             if candidate in _REPORTED_WHEN_SKIPPED:
-                _warn_skipped(candidate, problem)
-        return "reference"
+                skipped.append((candidate, problem))
+        else:
+            candidate = "reference"
+        if skipped:
+            _warn_skipped(tuple(skipped), candidate)
+        return candidate
     problem = backend_problem(name, device)
     if problem:
         raise ConfigError(f"attention backend {name!r} cannot run on {device}: {problem}")
@@ -127,9 +132,10 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
 
 
 @functools.cache
-def _warn_skipped(name: str, problem: str) -> None:
-    """Say once why ``auto`` passed over a preferred backend."""
-    warnings.warn(f"attention backend auto: skipping {name}: {problem}; trying the next backend", stacklevel=3)
+def _warn_skipped(skipped: tuple[tuple[str, str], ...], chosen: str) -> None:
+    """Say once, in one warning, why ``auto`` passed over the faster backends and what it took."""
+    reasons = "; ".join(f"skipping {name}: {problem}" for name, problem in skipped)
+    warnings.warn(f"attention backend auto: {reasons}; using {chosen}", stacklevel=3)
 
 
 def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionFn:
