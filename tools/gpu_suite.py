@@ -31,7 +31,7 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,13 +93,11 @@ def read_part(path: Path) -> tuple[str, str, list[dict]]:
     for suite in suites:
         name = suite.get("name", name)
         for case in suite.iter("testcase"):
-            outcome = "passed"
-            message = ""
-            for tag in ("failure", "error", "skipped"):
+            outcome, message = "passed", ""
+            for tag, name_of in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
                 child = case.find(tag)
                 if child is not None:
-                    outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                    message = (child.get("message") or "").splitlines()[0][:160] if child.get("message") else ""
+                    outcome, message = name_of, (child.get("message") or "").split("\n")[0][:160]
                     break
             file = (case.get("file") or case.get("classname", "").replace(".", "/") + ".py").split("/")[-1]
             cases.append({"file": file, "name": case.get("name", ""), "outcome": outcome,
@@ -118,28 +116,26 @@ def summarize(paths: list[Path], all_files: set[str]) -> str:
     if len(states) != 1:
         raise SystemExit("the parts ran at different trees: "
                          + ", ".join(f"{part} at {state}" for part, state, _ in parts))
-    per_file: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    counts: dict[str, Counter] = defaultdict(Counter)  # file -> outcome counts and test seconds
+    part_of: dict[str, str] = {}
     problems = []
     for part, _, cases in parts:
         for c in cases:
-            row = per_file[c["file"]]
-            row[c["outcome"]] += 1
-            row["seconds"] += c["seconds"]
-            row["part"] = part  # type: ignore[assignment]
+            counts[c["file"]][c["outcome"]] += 1
+            counts[c["file"]]["seconds"] += c["seconds"]
+            part_of[c["file"]] = part
             if c["outcome"] in ("failed", "error"):
                 problems.append(f"- {c['outcome'].upper()} {c['file']}::{c['name']}: {c['message']}")
     lines = [f"GPU suite at {states.pop()}: {', '.join(sorted(p for p, _, _ in parts))}", "",
              "| file | part | passed | failed | errors | skipped | test s |", "|---|---|---:|---:|---:|---:|---:|"]
-    totals: dict[str, float] = defaultdict(float)
-    for f in sorted(per_file):
-        r = per_file[f]
-        lines.append(f"| {f} | {r['part']} | {int(r['passed'])} | {int(r['failed'])} | {int(r['error'])} | "
-                     f"{int(r['skipped'])} | {r['seconds']:.0f} |")
-        for k in ("passed", "failed", "error", "skipped", "seconds"):
-            totals[k] += r[k]
-    lines.append(f"| **all** | | {int(totals['passed'])} | {int(totals['failed'])} | {int(totals['error'])} | "
-                 f"{int(totals['skipped'])} | {totals['seconds']:.0f} |")
-    not_run = sorted(all_files - set(per_file))
+
+    def row(label: str, part: str, c: Counter) -> str:
+        return (f"| {label} | {part} | {c['passed']} | {c['failed']} | {c['error']} | {c['skipped']} | "
+                f"{c['seconds']:.0f} |")
+
+    lines += [row(f, part_of[f], counts[f]) for f in sorted(counts)]
+    lines.append(row("**all**", "", sum(counts.values(), Counter())))
+    not_run = sorted(all_files - set(counts))
     lines += ["", "Not run by any part: " + (", ".join(not_run) if not_run else "none")]
     if problems:
         lines += ["", "Failures and errors:", *problems]

@@ -173,6 +173,12 @@ def available_backends(device: torch.device | str | None = None) -> dict[str, tu
     return out
 
 
+def window_from_op(window: int) -> int | None:
+    """The window of the fused backends' custom ops (an int argument: -1 for "no window") as the
+    contract's ``window`` (None for no window)."""
+    return None if window < 0 else window
+
+
 def half_precision(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``q, k, v`` in one 16-bit dtype, as the fused kernels take them: q's when it is bf16 or
     fp16, else bf16 (the caller casts the result back to its own dtype)."""

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from speedrun.attention import check_inputs, half_precision
+from speedrun.attention import check_inputs, half_precision, window_from_op
 from speedrun.errors import ConfigError
 
 INSTALL_HINT = 'pip install -e ".[cudnn]"'
@@ -395,13 +395,9 @@ def default_runner() -> CudnnSDPA:
     return _Runner.get()
 
 
-def _window_arg(window: int) -> int | None:
-    return None if window < 0 else window
-
-
 def _fwd_impl(q, k, v, cu_seqlens, max_seqlen: int, window: int, scale: float):
     return default_runner().forward(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens.contiguous(),
-                                    max_seqlen, _window_arg(window), scale)
+                                    max_seqlen, window_from_op(window), scale)
 
 
 def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, window, scale):
@@ -416,7 +412,7 @@ def _fwd_fake(q, k, v, cu_seqlens, max_seqlen, window, scale):
 def _bwd_impl(do, q, k, v, o, stats, lengths, offsets, max_seqlen: int, window: int, scale: float):
     return default_runner().backward(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(),
                                      stats.contiguous(), lengths.contiguous(), offsets.contiguous(), max_seqlen,
-                                     _window_arg(window), scale)
+                                     window_from_op(window), scale)
 
 
 def _bwd_fake(do, q, k, v, o, stats, lengths, offsets, max_seqlen, window, scale):

@@ -32,7 +32,7 @@ import warnings
 
 import torch
 
-from speedrun.attention import check_inputs, half_precision
+from speedrun.attention import check_inputs, half_precision, window_from_op
 from speedrun.errors import ConfigError
 
 INSTALL_HINT = 'pip install -e ".[fa4]"'
@@ -54,10 +54,6 @@ def _kernels():
     """FA4's forward and backward entry points (imported on first use: the CuTe DSL is heavy)."""
     module = importlib.import_module(_MODULE)
     return module._flash_attn_fwd, module._flash_attn_bwd
-
-
-def _window_arg(window: int) -> int | None:
-    return None if window < 0 else window
 
 
 # (direction, D_qk, D_v, dtype, windowed, device index) met so far: FA4 compiles a kernel for each
@@ -108,7 +104,7 @@ def _fwd_impl(q, k, v, cu_seqlens, max_seqlen: int, window: int, scale: float):
     with _compiling(_new_config("forward", q, v, window)):
         out, lse, *_ = fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q=cu_seqlens,
                            cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
-                           softmax_scale=scale, causal=True, window_size_left=_window_arg(window),
+                           softmax_scale=scale, causal=True, window_size_left=window_from_op(window),
                            window_size_right=None, return_lse=True)
     return out, lse
 
@@ -123,7 +119,7 @@ def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, window: int,
     _, bwd = _kernels()
     with _compiling(_new_config("backward", q, v, window)):
         dq, dk, dv = bwd(q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), dout.contiguous(),
-                         lse.contiguous(), softmax_scale=scale, causal=True, window_size_left=_window_arg(window),
+                         lse.contiguous(), softmax_scale=scale, causal=True, window_size_left=window_from_op(window),
                          window_size_right=None, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                          max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)[:3]
     return dq, dk, dv
