@@ -14,7 +14,8 @@
 #      and TESTS_K choose them, by default the whole-compile training test), then wait for it
 #   b  record and candidate interleaved at stages 1 and 2 (if upstream is still running, the call
 #      only waits for it and says to run part b again)
-#   c  stage 3, one arm per process (two stage-3 graph arms do not fit an 80 GB card)
+#   c  stage 3, one arm per process (two stage-3 graph arms do not fit an 80 GB card); C_PRESETS
+#      (default "candidate record") chooses the arms, C_BUDGET_S (default 270) caps each
 #
 # On the GPU machine, repo root as cwd, `.carry` and `.whl` carried (see tools/device_run.sh and
 # tools/upstream_f411b3d.sh for what they hold):   [UPSTREAM=..] [BACKEND=..] bash tools/upstream_session.sh a|b|c
@@ -37,6 +38,9 @@ case $UPSTREAM in
   *) echo "UPSTREAM must be pr344 or f411b3d, not $UPSTREAM" >&2; exit 2 ;;
 esac
 case $BACKEND in varlen|cudnn|fa4) ;; *) echo "BACKEND must be varlen, cudnn or fa4, not $BACKEND" >&2; exit 2 ;; esac
+for preset in ${C_PRESETS:-}; do
+  case $preset in candidate|record) ;; *) echo "C_PRESETS holds candidate and/or record, not $preset" >&2; exit 2 ;; esac
+done
 R=$(pwd)
 name=$UPSTREAM-$BACKEND
 W=/tmp/upstream_session/$name/$part
@@ -70,7 +74,9 @@ case $part in
     OUT=$W BUDGET_S=${BUDGET_S:-560} STAGES="0 1" BENCH_ARMS="recg=record:$V candg=candidate:$V" \
       bash "$R/tools/device_run.sh" record; pack ;;
   c)
-    OUT=$W/cand BUDGET_S=270 STAGES=2 BENCH_ARMS="candg=candidate:$V" bash "$R/tools/device_run.sh" record; pack
-    OUT=$W/rec BUDGET_S=270 STAGES=2 BENCH_ARMS="recg=record:$V" bash "$R/tools/device_run.sh" record; pack ;;
+    for preset in ${C_PRESETS:-candidate record}; do
+      case $preset in candidate) arm=candg; dir=cand ;; record) arm=recg; dir=rec ;; esac
+      OUT=$W/$dir BUDGET_S=${C_BUDGET_S:-270} STAGES=2 BENCH_ARMS="$arm=$preset:$V" bash "$R/tools/device_run.sh" record; pack
+    done ;;
 esac
 date -u
