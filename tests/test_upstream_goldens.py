@@ -6,9 +6,10 @@ on every CI run.  ``tests/test_upstream_equivalence.py`` runs the same compariso
 
 What the fixtures pin: the evaluation per-token loss (softcapped cross-entropy) of the whole
 network in two window/YaRN cases, the gradient of every parameter, upstream's initialisation, every
-step of three schedules, the validation sizes, eight NorMuon + Adam steps around the untie, the
-data generator's training and validation batches, and the loss head on 64 of upstream's final
-hidden states (against which the presets' Triton CE kernel runs, bf16 and FP8).  The training loss's MTP and prefix terms run in
+step of three schedules, the validation sizes, eight NorMuon + Adam steps around the untie (one of
+them also through the optimizer's Triton kernels), the data generator's training and validation
+batches, and the loss head on 64 of upstream's final hidden states (against which the presets'
+Triton CE kernel runs, bf16 and FP8).  The training loss's MTP and prefix terms run in
 upstream's CUDA C cross-entropy kernel and cannot be recorded on a CPU; the schedule fixture pins
 their weights.
 """
@@ -218,19 +219,32 @@ def test_validation_sizes_match_goldens():
     assert cfg.train.val_batch_tokens * 8 == G.require(payload, "val_batch_size", "schedule")
 
 
-def _assert_same_adam_weights(mine: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+def _assert_same_adam_weights(mine: torch.Tensor, ref: torch.Tensor, what: str, fused: bool = False) -> None:
     """fp32 weights agree to a few ulps; bf16 weights are equal but for the rare element whose fp32
-    value sits at a rounding boundary, which may land one bf16 step away."""
+    value sits at a rounding boundary, which may land one bf16 step away (``fused``: any element
+    may, see :func:`test_optimizer_steps_match_goldens`)."""
     if mine.dtype == torch.float32:
         torch.testing.assert_close(mine, ref, rtol=1e-6, atol=0, msg=lambda m: f"{what}: {m}")
         return
     steps = (mine.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
-    assert steps.max() <= 1 and (steps > 0).float().mean() < 1e-2, (what, steps.max().item())
+    assert steps.max() <= 1 and (fused or (steps > 0).float().mean() < 1e-2), (what, steps.max().item())
 
 
-def test_optimizer_steps_match_goldens():
+@pytest.mark.parametrize("use_triton", [False, True], ids=["reference", "triton"])
+def test_optimizer_steps_match_goldens(use_triton):
     """Eight steps around the untie (844-851) from recipe weights and gradients: NorMuon's fp32
-    master updates (sketched) and Adam's weights (sampled) against upstream's NorMuonAndAdam."""
+    master updates (sketched) and Adam's weights (sampled) against upstream's NorMuonAndAdam.
+
+    ``triton``: the presets' kernel path on a GPU (Polar Express and the fused Adam update as Triton
+    kernels, here under the interpreter) for the second step, an Adam step, after the first on the
+    reference path (the interpreter takes about a minute a step).  The fused Adam's fp32 arithmetic differs from upstream's by a
+    few fp32 ulps (``tests/test_fused_adam.py``), which moves a bf16 weight one step wherever its
+    update lands near a rounding boundary, so there the bound is one bf16 step per element, with no
+    bound on how many."""
+    from speedrun.kernels.fp8_cache import interpreting
+
+    if use_triton and not interpreting():
+        pytest.skip("the optimizer's Triton kernels need TRITON_INTERPRET=1 on a CPU")
     from speedrun.optim.normuon import NorMuonAndAdam, OptimizerHyper, record_param_table
     from speedrun.optim.schedule import RecordSchedule
 
@@ -245,7 +259,12 @@ def test_optimizer_steps_match_goldens():
     opt = NorMuonAndAdam(ours, record_param_table(), hyper=OptimizerHyper(), tied=("lm_head", "embed"),
                          use_triton=False)
     sched = RecordSchedule()
-    for step, rec in zip(payload["steps"], payload["records"], strict=True):
+    steps = list(zip(payload["steps"], payload["records"], strict=True))
+    if use_triton:
+        steps = steps[:2]
+        assert sched.at(steps[1][0]).adam_step, "the kernel path's step must update Adam's parameters too"
+    for i, (step, rec) in enumerate(steps):
+        opt.use_triton = use_triton and i == 1
         for label, p in ours.items():
             grad = G.optimizer_grad(step, label, p)
             p.grad = grad.clone() if p.grad is None else p.grad + grad
@@ -261,7 +280,7 @@ def test_optimizer_steps_match_goldens():
                 assert err < UPDATE_RTOL, (step, label, err)
             else:
                 mine = p.detach().reshape(-1)[G.adam_sample(label, p.numel())]
-                _assert_same_adam_weights(mine, rec["adam"][label], f"step {step} {label}")
+                _assert_same_adam_weights(mine, rec["adam"][label], f"step {step} {label}", fused=opt.use_triton)
             assert (p.grad is None) == rec["grad_none"][label], (step, label)
 
 
