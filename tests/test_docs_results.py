@@ -33,3 +33,40 @@ def test_links_to_results_resolve(doc):
         pytest.skip(f"{doc} absent")
     missing = sorted({m for m in _FOLDER_REF.findall(path.read_text()) if not (RESULTS / m).is_dir()})
     assert not missing, f"{doc} points at results folders that do not exist: {missing}"
+
+
+def _readme_measured_blocks() -> list[str]:
+    """The README's "Measured" section split into paragraphs, bullets and table rows."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("Measured, like for like")
+    section = text[start:text.index("\n## ", start)]
+    blocks: list[str] = []
+    for line in section.splitlines():
+        if not line.strip():
+            blocks.append("")
+        elif line.startswith(("- ", "|")) or not blocks:
+            blocks.append(line)
+        else:
+            blocks[-1] += "\n" + line
+    return [b for b in blocks if b.strip()]
+
+
+_FIGURE = re.compile(r"\d\.\d")
+_VERSION = re.compile(r"\b(torch|cuDNN|flash-attn-4|Triton|Python) [\d.a-z]+")  # a version is no figure
+
+
+def test_every_figure_in_the_readme_has_a_results_folder():
+    """Issue 33: no measured claim in the README without a results folder behind it.  A paragraph,
+    bullet or table row with a figure links a results folder (a table row may say "same": the
+    row above's folder)."""
+    blocks = _readme_measured_blocks()
+    assert len(blocks) >= 8
+    unbacked = []
+    for block in blocks:
+        if not _FIGURE.search(_VERSION.sub("", block)) or set(block.replace("|", "").strip()) <= set("-: "):
+            continue
+        if block.startswith("|") and block.rstrip(" |").rsplit("|", 1)[-1].strip() == "same":
+            continue
+        if not _FOLDER_REF.search(block):
+            unbacked.append(block.splitlines()[0][:80])
+    assert not unbacked, f"README figures without a results folder: {unbacked}"
