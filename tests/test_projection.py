@@ -277,3 +277,30 @@ def test_link_bandwidth_adds_the_simulated_collectives_as_an_upper_bound(tmp_pat
         paths.append(str(p))
     assert main(["bench", "project", *paths, "--as-rank-of", "8", "--n-boot", "100", "--link-gbps", "400"]) == 0
     assert "s of communication; stage 0" in capsys.readouterr().out
+
+
+def test_projection_refuses_files_of_different_cards_or_torch_builds(tmp_path):
+    """Like for like only: bench files and upstream runs that name different cards (or torch
+    builds) are refused, each file's named; files that name none (older ones) join any; the
+    projection carries and prints the one card and torch."""
+    from speedrun.evidence.projection import load_upstream, render
+
+    base, cand = _arms()
+
+    def doc(stage, card="NVIDIA H100 80GB HBM3", torch_v="2.11.0+cu130"):
+        d = _bench(stage, {"base": (base, [300.0] * 20), "cand": (cand, [280.0] * 20)})
+        fp = {k: v for k, v in (("gpu_name", card), ("torch", torch_v)) if v}
+        return dict(d, _path=f"s{stage}-{card}", **({"fingerprint": fp} if fp else {}))
+
+    res = project([doc(0), doc(1), doc(2, card=None, torch_v=None)], n_boot=100)
+    assert (res["card"], res["torch"]) == ("NVIDIA H100 80GB HBM3", "2.11.0+cu130")
+    assert "card NVIDIA H100 80GB HBM3, torch 2.11.0+cu130" in render(res)
+    with pytest.raises(ConfigError, match=r"different cards \(s0-NVIDIA H100 80GB HBM3: NVIDIA H100 80GB HBM3; "
+                                          r"s1-NVIDIA H200: NVIDIA H200"):
+        project([doc(0), doc(1, card="NVIDIA H200"), doc(2)])
+    with pytest.raises(ConfigError, match="different torch builds"):
+        project([doc(0), doc(1, torch_v="2.13.0+cu130"), doc(2)])
+    h200 = load_upstream(f"u={_upstream_file(tmp_path, [[1.0], [1.0], [1.0]], gpus=('NVIDIA H200',))}:record")
+    with pytest.raises(ConfigError, match=r"different cards.*upstream u \(.*\): NVIDIA H200"):
+        project([doc(s) for s in range(3)], upstream=[h200])
+    assert project([doc(s, card=None, torch_v=None) for s in range(3)], n_boot=10)["card"] is None

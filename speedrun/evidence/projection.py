@@ -32,7 +32,9 @@ times that ``tools/upstream_step_times.py --json`` reads from its log, on the sc
 preset whose recipe it runs (f411b3d: ``record``; PR #344: ``candidate``).  They come first and
 are the baseline of the ratios, so every arm is compared with upstream measured on the same
 machine.  Their steps come from another process and a timer of their own (each step's
-``train_time`` difference in upstream's log), not from the bench's interleaved rounds.
+``train_time`` difference in upstream's log), not from the bench's interleaved rounds.  Files
+(bench or upstream) that name different cards or torch builds are refused (:func:`same_machine`):
+two machines' times make no one run.
 
 What the projection leaves out: compilation and warmup, validation, and how the host runs ahead
 of the GPU between steps in a real run (the bench times one step from an idle GPU unless it was
@@ -118,7 +120,32 @@ def load_upstream(spec: str) -> dict[str, Any]:
         raise ConfigError(f"{path} is not a 'tools/upstream_step_times.py --json' file (no 'stages' list)")
     times = {i: [float(t) for t in st.get("times_ms") or []] for i, st in enumerate(doc["stages"])}
     return {"name": name, "config": preset(preset_name).to_dict(), "times_by_stage": times,
-            "gpus": list(doc.get("gpus") or []), "path": path}
+            "gpus": list(doc.get("gpus") or []), "torch": doc.get("torch"), "path": path}
+
+
+def machine_of(doc: dict[str, Any]) -> dict[str, str | None]:
+    """``{"card", "torch"}`` a bench file (its ``fingerprint``) or an upstream arm
+    (:func:`load_upstream`) ran on; None where the file does not say (older files)."""
+    if "times_by_stage" in doc:
+        return {"card": (doc.get("gpus") or [None])[0], "torch": doc.get("torch")}
+    fp = doc.get("fingerprint") or {}
+    return {"card": fp.get("gpu_name"), "torch": fp.get("torch")}
+
+
+def same_machine(sources: list[tuple[str, dict[str, Any]]]) -> dict[str, str | None]:
+    """The one card and torch build that every ``(label, doc)`` source names (None: none names
+    one); raises :class:`ConfigError` listing each source's where two differ: a projection's
+    ratios compare like with like only."""
+    found: dict[str, str | None] = {}
+    for key in ("card", "torch"):
+        named = {label: machine_of(doc)[key] for label, doc in sources}
+        values = {v for v in named.values() if v}
+        if len(values) > 1:
+            raise ConfigError(f"the files ran on different {'cards' if key == 'card' else 'torch builds'} ("
+                              + "; ".join(f"{label}: {v or 'not recorded'}" for label, v in named.items())
+                              + "): project each machine's files on their own")
+        found[key] = next(iter(values), None)
+    return found
 
 
 def bench_world(doc: dict[str, Any]) -> tuple[int, bool]:
@@ -171,6 +198,8 @@ def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
         raise ConfigError("bench files of different worlds cannot make one run: "
                           + "; ".join(f"{d['_path']}: {describe_world(*bench_world(d))}" for d in docs))
     (world, simulated), = worlds
+    machine = same_machine([(d.get("_path", f"stage {d.get('stage')}"), d) for d in docs]
+                           + [(f"upstream {up['name']} ({up['path']})", up) for up in upstream])
     for up in upstream:
         if simulated or (up["gpus"] and len(up["gpus"]) != world):
             raise ConfigError(f"upstream {up['name']} ran on {len(up['gpus']) or '?'} GPU(s); the bench files are "
@@ -267,7 +296,8 @@ def project(docs: list[dict[str, Any]], n_boot: int = 2000, seed: int = 0,
     return {"arms": out_arms, "baseline": base, "unbenched": unbenched, "n_boot": n_boot,
             "world_size": world, "simulated": simulated, "world": describe_world(world, simulated),
             "separate_processes": sorted(s for s, n in files_per_stage.items() if n > 1),
-            "upstream": [{"name": up["name"], "path": up["path"]} for up in upstream], "link_gbps": link_gbps}
+            "upstream": [{"name": up["name"], "path": up["path"]} for up in upstream], "link_gbps": link_gbps,
+            "card": machine["card"], "torch": machine["torch"]}
 
 
 def _ci(x: np.ndarray) -> list[float]:
@@ -282,6 +312,8 @@ def render(res: dict[str, Any]) -> str:
         lines.append(f"a run on {n} GPUs, from {res['world']}: every rank's compute, communication not included")
     elif "world_size" in res:
         lines.append(f"benched on {res['world']}")
+    if res.get("card") or res.get("torch"):
+        lines.append(f"card {res.get('card') or 'not recorded'}, torch {res.get('torch') or 'not recorded'}")
     lines.append("")
     stages = sorted({r["stage"] for a in res["arms"] for r in a["stages"]})
     head = "| arm | " + " | ".join(f"stage {s}" for s in stages) + " | total s [95% CI] | vs " + res["baseline"] + " [95% CI] |"
