@@ -5,6 +5,9 @@ autograd / torch.compile plumbing, with FA4's two entry points stood in by the r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -204,7 +207,31 @@ def test_auto_prefers_fa4_then_cudnn(monkeypatch):
     problems["cudnn"] = "not installed"
     with pytest.warns(UserWarning, match="skipping fa4: self-check.*; skipping cudnn: not installed; using fa3$") as said:
         assert attn.resolve_backend("auto", "cuda") == "fa3"
-    assert len(said) == 1
+    assert len(said) == 1 and said[0].category is attn.AttentionFallbackWarning
+
+
+def test_the_fallback_warning_can_be_silenced(tmp_path):
+    """A user who chose not to install the faster backends silences ``auto``'s warning with
+    ``PYTHONWARNINGS="ignore:attention backend auto"`` (any command, ``speedrun train`` too), or
+    in code by its class, :class:`speedrun.attention.AttentionFallbackWarning`."""
+    script = tmp_path / "auto.py"
+    script.write_text(
+        "import sys, warnings\n"
+        "import speedrun.attention as attn\n"
+        "if sys.argv[1:] == ['by-class']:\n"
+        "    warnings.filterwarnings('ignore', category=attn.AttentionFallbackWarning)\n"
+        "attn.backend_problem = lambda name, device: 'not installed' if name in ('fa4', 'cudnn') else None\n"
+        "print(attn.resolve_backend('auto', 'cuda'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+
+    def run(*args, **extra):
+        return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120,
+                              env={**env, **extra})
+
+    loud = run()
+    assert loud.stdout.strip() == "fa3" and "AttentionFallbackWarning: attention backend auto: skipping fa4" in loud.stderr
+    for quiet in (run(PYTHONWARNINGS="ignore:attention backend auto"), run("by-class")):
+        assert quiet.stdout.strip() == "fa3" and quiet.stderr == "", quiet.stderr
 
 
 def test_available_backends_lists_fa4():

@@ -21,8 +21,9 @@ package), ``cudnn`` (cuDNN's fused attention through the optional ``nvidia-cudnn
 package; takes D_qk != D_v natively), ``fa4`` (FlashAttention-4's CuTe-DSL kernels through the
 optional ``flash-attn-4`` package; takes D_qk != D_v natively).  ``auto`` picks the fastest
 that works on the tensors' device; on CUDA a backend with a self-check (fa4, cudnn) must also
-pass it, and when ``auto`` passes over one of them it says why once (a warning naming the reason
-and the install command).
+pass it, and when ``auto`` passes over one of them it says why once (an
+:class:`AttentionFallbackWarning` naming the reason and the install command; naming a backend, or
+``PYTHONWARNINGS="ignore:attention backend auto"``, keeps it quiet).
 
 A backend function with ``pads_qk_to_v = True`` runs with D_qk == D_v only and zero-pads narrower
 Q/K itself; a caller that can produce Q/K already padded (zeros in the extra columns, ``scale``
@@ -131,11 +132,15 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
     return name
 
 
+class AttentionFallbackWarning(UserWarning):
+    """``auto`` passed over a faster attention backend (not installed, or its self-check failed)."""
+
+
 @functools.cache
 def _warn_skipped(skipped: tuple[tuple[str, str], ...], chosen: str) -> None:
     """Say once, in one warning, why ``auto`` passed over the faster backends and what it took."""
     reasons = "; ".join(f"skipping {name}: {problem}" for name, problem in skipped)
-    warnings.warn(f"attention backend auto: {reasons}; using {chosen}", stacklevel=3)
+    warnings.warn(f"attention backend auto: {reasons}; using {chosen}", AttentionFallbackWarning, stacklevel=3)
 
 
 def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionFn:
