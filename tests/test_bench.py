@@ -94,6 +94,13 @@ def test_bench_step_two_arms_table_and_json(tmp_path, capsys):
     # the attention kernel each arm ran: auto resolved (on a CPU, the reference) or as named
     assert base["attention_backend"] == "reference" and "attention backend: base reference, cand reference" in text
     assert "comm_bytes_per_step" not in base  # counted for a simulated rank only (--as-rank-of)
+    # the bench's own wall time by phase, for planning one into a time-limited call
+    wall = res["wall_s"]
+    assert set(wall["build"]) == set(wall["warmup"]) == {"base", "cand"}
+    assert all(t > 0 for t in [*wall["build"].values(), *wall["warmup"].values(), wall["timed"]]) and wall["host"] >= 0
+    # 20 rounds of two arms' steps: at least the sum of their timed samples
+    assert wall["timed"] >= (sum(base["times_ms"]) + sum(cand["times_ms"])) / 1000
+    assert "bench wall time, s: build base " in text and "; timed rounds " in text
 
 
 def test_arms_report_every_step_loss_and_one_preset_trains_alike():

@@ -357,17 +357,23 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
     # pool holds the largest arm's working set, not their sum (which does not fit one GPU at the
     # record's stage-3 shapes).
     capturer = CudaCapture(info.device) if info.device.type == "cuda" else None
+    # Wall seconds of each phase (for planning a bench into a time-limited call): per arm for the
+    # build and the warmup (compilation, CUDA-graph capture and its self-check), all arms together
+    # for the timed rounds and the host traces.
+    wall: dict[str, Any] = {"build": {}, "warmup": {}}
     try:
         for name, cfg, _ in configs:
-            before = meter.allocated()
+            before, t0 = meter.allocated(), time.perf_counter()
             sessions.append(build_session(name, cfg, stage, info, simulate_world, capturer=capturer))
             sessions[-1].resident_bytes = meter.allocated() - before
+            wall["build"][name] = time.perf_counter() - t0
         for s in sessions:
-            before = meter.allocated()
+            before, t0 = meter.allocated(), time.perf_counter()
             pool_before = s.graphs.pool_bytes() if s.graphs is not None else 0
             for _ in range(s.warmup_steps(warmup)):
                 s.step()
             distributed.barrier(info)
+            wall["warmup"][s.name] = time.perf_counter() - t0
             s.resident_bytes += meter.allocated() - before  # optimizer state, FP8 caches, grads kept
             if s.graphs is not None:
                 s.pool_bytes = s.graphs.pool_bytes() - pool_before
@@ -376,6 +382,7 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
         if sampler is not None:
             sampler.__enter__()
         traffic_before = [s.comm_traffic() for s in sessions]
+        t0 = time.perf_counter()
         for rep in range(steps):
             k = rep % len(sessions)
             for s in sessions[k:] + sessions[:k]:
@@ -389,12 +396,15 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
                         sampler.label = None
             if progress and info.is_main and (rep + 1) % 10 == 0:
                 print(f"  {rep + 1}/{steps} repetitions", flush=True)
+        wall["timed"] = time.perf_counter() - t0
         times = {series_name(s.name, c, chains): _gather_max(s.times_ms[c], info) for s in sessions for c in chains}
         for s, before in zip(sessions, traffic_before):
             if before is not None:  # every timed step, both parities of the optimizer's update
                 timed = steps * sum(chains)
                 s.comm_bytes_per_step = {k: (v - before[k]) / timed for k, v in s.comm_traffic().items()}
+        t0 = time.perf_counter()
         _host_side(sessions, info, host_steps, sync_scan)
+        wall["host"] = time.perf_counter() - t0
     finally:
         collections.__exit__(None, None, None)
         if frozen:
@@ -407,6 +417,7 @@ def bench_step(arms: Sequence[ArmSpec | tuple[str, RunConfig]], *, stage: int = 
     result = _summarize(configs, sessions, times, stage, steps, warmup, seed, n_boot, info, chains)
     result["simulated_world"] = simulate_world
     result["simulation"] = simulation_note(simulate_world)
+    result["wall_s"] = wall
     result["clocks"] = {"per_arm": sampler.summary() if sampler is not None else {}, "note": clocks_note}
     result["gc"] = {"frozen_objects": frozen,
                     "per_arm": {a["name"]: collections.summary().get(a["name"], CollectionStats().as_dict())
@@ -594,6 +605,11 @@ def render_table(result: dict[str, Any]) -> str:
                          + (f"; graph pool grew {a['graph_pool_mib']:,.0f} MiB" if a.get("graph_pool_mib") is not None
                             else "")
                          + "".join(f"; {c}" for c in g["key_changes"]))
+    wall = result.get("wall_s")
+    if wall:  # files of older versions lack it
+        lines.append("bench wall time, s: build " + ", ".join(f"{n} {t:.1f}" for n, t in wall["build"].items())
+                     + "; warmup (compile, capture, checks) " + ", ".join(f"{n} {t:.1f}" for n, t in wall["warmup"].items())
+                     + f"; timed rounds {wall['timed']:.1f}; host traces {wall['host']:.1f}")
     for w in result["warnings"]:
         lines.append(f"warning: {w}")
     return "\n".join(lines) + "\n"
