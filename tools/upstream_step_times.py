@@ -137,6 +137,20 @@ def format_against(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def projected_ms(stages: list[dict]) -> float | None:
+    """The run's training time as ``speedrun bench project`` projects one: each stage's steps x
+    its median step, a stage without timed steps at the median of the stage before it (None if
+    the first has none).  Set against the log's final ``train_time`` it measures the projection's
+    own error on a real run: the slow steps a median leaves out (stage switches, pauses)."""
+    total, last = 0.0, None
+    for st in stages:
+        last = st.get("median_ms", last)
+        if last is None:
+            return None
+        total += (st["steps"][1] - st["steps"][0]) * last
+    return total
+
+
 def summarize(path: Path, starts: list[int] | None, skip: int) -> dict:
     """Per-stage statistics of one upstream log (see the module doc)."""
     run = parse_log(path)
@@ -146,6 +160,8 @@ def summarize(path: Path, starts: list[int] | None, skip: int) -> dict:
         starts = starts_from_warmup(Path(path).read_text(errors="replace"))
     times = step_ms(run)
     stages = [stage_stats(times, *r, skip) for r in stage_ranges(starts, run.total_steps)]
+    final = run.train_time_ms if run.complete else None
+    projected = projected_ms(stages)
     return {
         "log": str(path),
         "total_steps": run.total_steps,
@@ -153,7 +169,9 @@ def summarize(path: Path, starts: list[int] | None, skip: int) -> dict:
         "stage_starts": starts,
         "skip": skip,
         "stages": stages,
-        "final_train_time_ms": run.train_time_ms if run.complete else None,
+        "final_train_time_ms": final,
+        "projected_ms": projected,
+        "projected_over_final": projected / final if projected is not None and final else None,
         "peak_allocated_mib": run.peak_allocated_mib,
         "torch": run.torch_version,
         "gpus": run.gpus,
@@ -174,6 +192,9 @@ def format_table(res: dict) -> str:
     if res["final_train_time_ms"] is not None:
         lines.append(f"final train_time {res['final_train_time_ms']:.0f} ms "
                      f"({res['final_train_time_ms'] / res['total_steps']:.1f} ms/step overall)")
+    if res.get("projected_over_final") is not None:
+        lines.append(f"projected as speedrun bench project does (steps x median per stage): "
+                     f"{res['projected_ms']:.0f} ms = {res['projected_over_final']:.4f} of the final train_time")
     if res["peak_allocated_mib"] is not None:
         lines.append(f"peak memory allocated {res['peak_allocated_mib']} MiB")
     return "\n".join(lines)
