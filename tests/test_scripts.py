@@ -1,6 +1,7 @@
 """The device scripts in tools/ at least parse (they only run on the GPU machines)."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -392,3 +393,33 @@ def test_comm_traffic_counts_what_the_collectives_move(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("comm_traffic: ")
     assert mod.main(["--preset", "tiny-record", "--world", "0"]) == 2
     assert "ranks >= 1" in capsys.readouterr().err
+
+
+def test_compile_cache_round_trip_and_refusals(tmp_path, capsys):
+    """save packs a cache folder when it fits the size limit (else says so and writes nothing);
+    restore unpacks it byte for byte, says so when there is none, and refuses a broken archive."""
+    cc = _load_script(Path(__file__).resolve().parents[1] / "tools" / "compile_cache.py")
+    cache = tmp_path / "inductor"
+    (cache / "triton" / "0").mkdir(parents=True)
+    (cache / "fxgraph.txt").write_text("graph\n" * 1000)
+    kernel = os.urandom(3 * 2**20)  # incompressible: 3 MiB packed
+    (cache / "triton" / "0" / "k.cubin").write_bytes(kernel)
+    archive = tmp_path / "carry" / "up.compile_cache.tar.xz"
+    assert cc.main(["save", str(cache), str(archive), "--max-mib", "2"]) == 0
+    assert "over 2 MiB, not saved" in capsys.readouterr().out and not archive.exists()
+    assert cc.main(["save", str(cache), str(archive)]) == 0
+    assert "saved as" in capsys.readouterr().out and archive.is_file()
+    restored = tmp_path / "restored"
+    assert cc.main(["restore", str(archive), str(restored)]) == 0
+    assert "2 files" in capsys.readouterr().out
+    assert (restored / "triton" / "0" / "k.cubin").read_bytes() == kernel
+    assert (restored / "fxgraph.txt").read_text() == "graph\n" * 1000
+    assert cc.main(["restore", str(tmp_path / "absent.tar.xz"), str(tmp_path / "cold")]) == 0
+    assert "none at" in capsys.readouterr().out and not (tmp_path / "cold").exists()
+    (tmp_path / "broken.tar.xz").write_bytes(b"not an archive")
+    with pytest.raises(SystemExit, match="does not unpack"):
+        cc.main(["restore", str(tmp_path / "broken.tar.xz"), str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="no folder"):
+        cc.main(["save", str(tmp_path / "nowhere"), str(archive)])
+    with pytest.raises(SystemExit):
+        cc.main(["save", str(cache), str(archive), "--max-mib", "0"])

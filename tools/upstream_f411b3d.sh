@@ -12,6 +12,10 @@
 # bench_config.json, upstream_steps.json (median ms per optimizer step per stage), and
 # upstream_clocks.csv + upstream_stage_marks.txt (SM clock and power per stage: gpu_clocks.py).
 # The same script runs upstream PR #344 (tools/upstream_pr344.sh sets the three variables below).
+# Compile cache (tools/compile_cache.py): the run compiles into /tmp/inductor_<UP's name>, first
+# filled from .carry/compile_cache/<UP's name>.compile_cache.tar.xz where one was carried; with
+# UP_CACHE_OUT=DIR a finished run's cache is saved there under that name (if it packs into 15 MiB),
+# to carry to the next session.
 set -u
 R=$(pwd)
 OUT=${OUT:-$R/bench_out}
@@ -21,6 +25,9 @@ UP_SRC=${UP_SRC:-$R/.carry/upstream}                    # that commit's three fi
 TIKTOKEN_DIR=${TIKTOKEN_DIR:-$R/.carry/upstream/tiktoken_cache}
 DATA=${DATA_DIR:-/tmp/webmix}
 WAIT_S=${WAIT_S:-540}
+UP_NAME_=$(basename "$UP")
+CACHE_DIR=/tmp/inductor_$UP_NAME_
+CACHE_FILE=$UP_NAME_.compile_cache.tar.xz
 mkdir -p "$OUT"
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
 # Which kernel answers upstream's FA3 calls (fa3_shim.py): varlen (torch's, the default), cudnn or
@@ -57,9 +64,11 @@ start_run() {
   [ "${PIPESTATUS[0]}" = 0 ] || return 1
   touch "$UP/started"
   echo "$SPEEDRUN_SHIM_BACKEND" > "$UP/attention_backend.txt"
+  rm -rf "$CACHE_DIR"
+  python3 "$R/tools/compile_cache.py" restore "$R/.carry/compile_cache/$CACHE_FILE" "$CACHE_DIR" | tee "$UP/compile_cache.txt"
   # setsid: a new session outlives the device call; torch.distributed.run == torchrun.  The SM
   # clock and power log runs as long as the training (stage_marks.txt splits it by stage).
-  (cd "$UP" && TIKTOKEN_CACHE_DIR="$TIKTOKEN_DIR" PYTHONUNBUFFERED=1 setsid nohup bash -c \
+  (cd "$UP" && TIKTOKEN_CACHE_DIR="$TIKTOKEN_DIR" TORCHINDUCTOR_CACHE_DIR="$CACHE_DIR" PYTHONUNBUFFERED=1 setsid nohup bash -c \
      'nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 250 \
         > clocks.csv 2>&1 & L=$!
       python3 -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt.py > stdout.txt 2>&1; echo $? > rc
@@ -72,6 +81,7 @@ collect() {
   cp "$UP/stdout.txt" "$OUT/upstream_stdout.txt" 2>/dev/null
   cp "$UP/bench_config.json" "$OUT/" 2>/dev/null
   cp "$UP/attention_backend.txt" "$OUT/upstream_attention_backend.txt" 2>/dev/null
+  cp "$UP/compile_cache.txt" "$OUT/upstream_compile_cache.txt" 2>/dev/null
   cp "$UP/upstream_kernels.json" "$OUT/" 2>/dev/null  # with --profile START:COUNT
   if [ -e "$UP/upstream_kernels.json" ]; then  # the source of its slowest Inductor kernels (same cache)
     python3 "$R/tools/inductor_sources.py" "$UP/upstream_kernels.json" --top "${INDUCTOR_TOP:-12}" \
@@ -104,6 +114,10 @@ tail -8 "$UP/stdout.txt" 2>/dev/null
 collect
 if [ -e "$UP/rc" ]; then
   log "upstream finished, exit status $(cat "$UP/rc")"
+  if [ -n "${UP_CACHE_OUT:-}" ] && [ "$(cat "$UP/rc")" = 0 ] && [ ! -e "$UP/cache_saved" ]; then
+    python3 "$R/tools/compile_cache.py" save "$CACHE_DIR" "$UP_CACHE_OUT/$CACHE_FILE" | tee -a "$UP/compile_cache.txt"
+    touch "$UP/cache_saved"; cp "$UP/compile_cache.txt" "$OUT/upstream_compile_cache.txt"
+  fi
   if [ "$(cat "$UP/rc")" != 0 ]; then  # the exception itself, which torchrun's summary above leaves out
     grep -E "^(\[rank[0-9]+\]: )?[A-Za-z_.]*(Error|Exception)[:(]" "$UP/stdout.txt" 2>/dev/null | head -3 | cut -c1-300
     grep -F "File \"$UP/" "$UP/stdout.txt" 2>/dev/null | tail -2 | cut -c1-300  # where in upstream's code

@@ -25,6 +25,11 @@
 # three stages' JSONs with `--upstream <upstream>=<b>/upstream_steps.json:<preset>` (the
 # folder's README names the files).
 #
+# Part a's upstream run also saves its torch.compile cache as $OUT/up_<name>.compile_cache.tar.xz
+# when it packs into 15 MiB (tools/compile_cache.py prints the size either way): keep it here as
+# .carry/compile_cache/up_<name>.compile_cache.tar.xz and the next session's run of the same
+# upstream and backend loads its kernels instead of compiling them.
+#
 # The bench budgets below leave room for each arm's warmup, captures and self-checks besides its
 # timed steps (docs/status.md, "Time a bench needs").
 set -u
@@ -51,7 +56,8 @@ git log --oneline -1 > "$W/commit.txt" 2>/dev/null
 UPA="--scheduled 45 --extension 2 --val-tokens 2097152"
 V=model.attention_backend=$BACKEND
 upstream() {  # wait (up to $1 s) for the run part a started, collecting its outputs into $W/upstream
-  OUT=$W/upstream WAIT_S=$1 DATA_DIR=/tmp/webmix_up SPEEDRUN_SHIM_BACKEND=$BACKEND \
+  # (its compile cache, when it packs small enough, beside the part's archive: see upstream_f411b3d.sh)
+  OUT=$W/upstream WAIT_S=$1 DATA_DIR=/tmp/webmix_up SPEEDRUN_SHIM_BACKEND=$BACKEND UP_CACHE_OUT=$O \
     bash "$R/tools/$up_script" $UPA 2>&1 | tail -15
 }
 export UP_DIR=/tmp/up_$name UP_NAME=$UPSTREAM UP_PRESET=$up_preset CHAIN=3 HOST_STEPS=3 SYNC_SCAN=0
