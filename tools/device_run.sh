@@ -238,6 +238,9 @@ for part in $parts; do
       else log "full-length run still going: call this part again (within the idle release) to keep waiting"; fi ;;
   esac
 done
+# How large this machine's torch.compile cache has grown (what carrying it to the next session,
+# as tools/compile_cache.py does for upstream's runs, would cost)
+for d in /tmp/torchinductor_*; do [ -d "$d" ] && log "compile cache $d: $(du -sh "$d" | cut -f1)"; done
 # The device tool brings back at most 8 files: more than that travel as one archive.
 if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
   (cd "$OUT" && tar czf /tmp/all_outputs.tgz . && find . -mindepth 1 -delete && mv /tmp/all_outputs.tgz .)
