@@ -46,7 +46,8 @@ def test_multigpu_script_refuses_unknown_parts(tmp_path):
     ("upstream_session.sh", "d", {}, "usage"),
     ("upstream_session.sh", "a", {"UPSTREAM": "pr999"}, "UPSTREAM must be pr344 or f411b3d"),
     ("upstream_session.sh", "b", {"BACKEND": "fa3"}, "BACKEND must be varlen, cudnn or fa4"),
-    ("upstream_session.sh", "c", {"C_PRESETS": "candidate upstream"}, "C_PRESETS holds candidate and/or record"),
+    ("upstream_session.sh", "c", {"C_PRESETS": "candidate upstream"}, "C_PRESETS hold candidate and/or record"),
+    ("upstream_session.sh", "b", {"B_PRESETS": "recrod"}, "not recrod"),
     ("fa4_session.sh", "5", {}, "usage"),
 ])
 def test_session_script_refuses_unknown_parts(tmp_path, name, part, env, says):

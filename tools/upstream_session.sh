@@ -13,7 +13,8 @@
 #      compile (small shapes only: they must not share the GPU with its timed steps; TESTS_PATHS
 #      and TESTS_K choose them, by default the whole-compile training test), then wait for it
 #   b  record and candidate interleaved at stages 1 and 2 (if upstream is still running, the call
-#      only waits for it and says to run part b again)
+#      only waits for it and says to run part b again); B_PRESETS (default "record candidate")
+#      chooses the arms
 #   c  stage 3, one arm per process (two stage-3 graph arms do not fit an 80 GB card); C_PRESETS
 #      (default "candidate record") chooses the arms, C_BUDGET_S (default 270) caps each
 #
@@ -43,9 +44,10 @@ case $UPSTREAM in
   *) echo "UPSTREAM must be pr344 or f411b3d, not $UPSTREAM" >&2; exit 2 ;;
 esac
 case $BACKEND in varlen|cudnn|fa4) ;; *) echo "BACKEND must be varlen, cudnn or fa4, not $BACKEND" >&2; exit 2 ;; esac
-for preset in ${C_PRESETS:-}; do
-  case $preset in candidate|record) ;; *) echo "C_PRESETS holds candidate and/or record, not $preset" >&2; exit 2 ;; esac
+for preset in ${B_PRESETS:-} ${C_PRESETS:-}; do
+  case $preset in candidate|record) ;; *) echo "B_PRESETS and C_PRESETS hold candidate and/or record, not $preset" >&2; exit 2 ;; esac
 done
+arm_of() { case $1 in candidate) echo "candg=candidate:$V" ;; record) echo "recg=record:$V" ;; esac; }
 R=$(pwd)
 name=$UPSTREAM-$BACKEND
 W=/tmp/upstream_session/$name/$part
@@ -77,12 +79,13 @@ case $part in
       [ -e "$UP_DIR/rc" ] && echo "$UPSTREAM's run finished: run part b again for the benches" >&2
       exit 1
     fi
-    OUT=$W BUDGET_S=${BUDGET_S:-560} STAGES="0 1" BENCH_ARMS="recg=record:$V candg=candidate:$V" \
+    arms=""; for preset in ${B_PRESETS:-record candidate}; do arms="$arms $(arm_of "$preset")"; done
+    OUT=$W BUDGET_S=${BUDGET_S:-560} STAGES="0 1" BENCH_ARMS="${arms# }" \
       bash "$R/tools/device_run.sh" record; pack ;;
   c)
     for preset in ${C_PRESETS:-candidate record}; do
-      case $preset in candidate) arm=candg; dir=cand ;; record) arm=recg; dir=rec ;; esac
-      OUT=$W/$dir BUDGET_S=${C_BUDGET_S:-270} STAGES=2 BENCH_ARMS="$arm=$preset:$V" bash "$R/tools/device_run.sh" record; pack
+      case $preset in candidate) dir=cand ;; record) dir=rec ;; esac
+      OUT=$W/$dir BUDGET_S=${C_BUDGET_S:-270} STAGES=2 BENCH_ARMS="$(arm_of "$preset")" bash "$R/tools/device_run.sh" record; pack
     done ;;
 esac
 date -u
