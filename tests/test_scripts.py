@@ -405,7 +405,7 @@ def test_compile_cache_round_trip_and_refusals(tmp_path, capsys):
     (cache / "fxgraph.txt").write_text("graph\n" * 1000)
     kernel = os.urandom(3 * 2**20)  # incompressible: 3 MiB packed
     (cache / "triton" / "0" / "k.cubin").write_bytes(kernel)
-    archive = tmp_path / "carry" / "up.compile_cache.tar.xz"
+    archive = tmp_path / "carry" / "up.compile_cache.tar.gz"
     assert cc.main(["save", str(cache), str(archive), "--max-mib", "2"]) == 0
     assert "over 2 MiB, not saved" in capsys.readouterr().out and not archive.exists()
     assert cc.main(["save", str(cache), str(archive)]) == 0
@@ -415,12 +415,51 @@ def test_compile_cache_round_trip_and_refusals(tmp_path, capsys):
     assert "2 files" in capsys.readouterr().out
     assert (restored / "triton" / "0" / "k.cubin").read_bytes() == kernel
     assert (restored / "fxgraph.txt").read_text() == "graph\n" * 1000
-    assert cc.main(["restore", str(tmp_path / "absent.tar.xz"), str(tmp_path / "cold")]) == 0
+    assert cc.main(["restore", str(tmp_path / "absent.tar.gz"), str(tmp_path / "cold")]) == 0
     assert "none at" in capsys.readouterr().out and not (tmp_path / "cold").exists()
-    (tmp_path / "broken.tar.xz").write_bytes(b"not an archive")
+    (tmp_path / "broken.tar.gz").write_bytes(b"not an archive")
     with pytest.raises(SystemExit, match="does not unpack"):
-        cc.main(["restore", str(tmp_path / "broken.tar.xz"), str(tmp_path / "x")])
+        cc.main(["restore", str(tmp_path / "broken.tar.gz"), str(tmp_path / "x")])
     with pytest.raises(SystemExit, match="no folder"):
         cc.main(["save", str(tmp_path / "nowhere"), str(archive)])
     with pytest.raises(SystemExit):
         cc.main(["save", str(cache), str(archive), "--max-mib", "0"])
+
+
+def test_upstream_script_returns_while_its_run_goes_on(tmp_path):
+    """upstream_f411b3d.sh starts upstream's training in a session of its own and returns after
+    WAIT_S, also when its output is read through a pipe (upstream_session.sh's `| tail`): nothing
+    left running may hold that pipe.  Upstream's patcher and torchrun are stood in for by stubs
+    (the stub training sleeps 30 s); the script must be back in well under that."""
+    bash = shutil.which("bash") or pytest.skip("no bash")
+    import lzma
+
+    root = Path(__file__).resolve().parents[1]
+    repo = tmp_path / "repo"
+    (repo / ".carry").mkdir(parents=True)
+    (repo / "tools").symlink_to(root / "tools")
+    (repo / ".carry" / "webmix_train_000000.bin.xz").write_bytes(lzma.compress(b"\0" * 1024))
+    (tmp_path / "tiktoken").mkdir()
+    (tmp_path / "tiktoken" / "gpt2").write_text("stand-in")
+    patcher = tmp_path / "patcher.py"
+    patcher.write_text("import sys, pathlib\nout = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
+                       "out.mkdir(parents=True)\n(out / 'train_gpt.py').write_text('')\nprint('patched (stub)')\n")
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    marker = f"stub-training-{os.getpid()}"
+    (stubs / "python3").write_text(  # the marker names the stub training's process, to end it below
+        f'#!/bin/sh\nif [ "$1 $2" = "-m torch.distributed.run" ]; then\n'
+        f'  exec {sys.executable} -c "import time; time.sleep(30)" {marker}\nfi\nexec {sys.executable} "$@"\n')
+    (stubs / "python3").chmod(0o755)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "UP_DIR": str(tmp_path / "up"),
+           "DATA_DIR": str(tmp_path / "data"), "WAIT_S": "1", "PATCHER": str(patcher),
+           "UP_SRC": str(tmp_path), "TIKTOKEN_DIR": str(tmp_path / "tiktoken"), "PYTHONPATH": str(root)}
+    try:
+        out = subprocess.run([bash, "-c", f"bash {root}/tools/upstream_f411b3d.sh | tail -3"], cwd=repo, env=env,
+                             capture_output=True, text=True, timeout=20)
+        assert out.returncode == 0, out.stderr
+        assert "upstream still running after 1s" in out.stdout, out.stdout
+        assert (tmp_path / "up" / "started").exists() and not (tmp_path / "up" / "rc").exists()
+    finally:
+        if shutil.which("pkill"):
+            subprocess.run(["pkill", "-f", marker], capture_output=True)

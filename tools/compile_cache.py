@@ -3,14 +3,15 @@ machine to the next, so a later session's run loads its compiled kernels instead
 again (an upstream run spends ~7 of its ~8 minutes compiling).  Inductor keys every entry by the
 graph, torch, Triton and the device, so an entry that does not fit is a miss, never a wrong kernel.
 
-    python3 tools/compile_cache.py restore ARCHIVE DIR     unpack ARCHIVE (.tar.xz) into DIR, if it exists
+    python3 tools/compile_cache.py restore ARCHIVE DIR     unpack ARCHIVE (.tar.gz) into DIR, if it exists
     python3 tools/compile_cache.py save DIR ARCHIVE [--max-mib 15]
         pack DIR into ARCHIVE when the packed size is at most --max-mib (one file the device tool
         brings back is at most 16 MiB); either way print both sizes
 
 Point the run at DIR with ``TORCHINDUCTOR_CACHE_DIR=DIR``.  Here, keep a saved archive under
 ``.carry/compile_cache/`` (ignored; it counts towards the 64 MiB a device call carries).
-Python's ``tarfile`` and ``lzma`` do the work: the GPU machine need not have the xz tool.
+Python's ``tarfile`` does the work, gzip at its fastest level: packing must not eat the device
+call that waits for it, and compiled kernels shrink little at any level.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def restore(archive: Path, folder: Path) -> str:
     if not archive.is_file() or archive.stat().st_size == 0:
         return f"compile cache: none at {archive} (a cold compile)"
     try:
-        with tarfile.open(archive, "r:xz") as tar:
+        with tarfile.open(archive, "r:gz") as tar:
             members = tar.getmembers()
             folder.mkdir(parents=True, exist_ok=True)
             tar.extractall(folder, filter="data")  # no paths outside the folder, no devices
@@ -50,10 +51,10 @@ def save(folder: Path, archive: Path, max_mib: int) -> str:
     if not folder.is_dir():
         raise SystemExit(f"compile cache: no folder {folder} (nothing compiled there?)")
     raw = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-    fd, tmp = tempfile.mkstemp(suffix=".tar.xz")
+    fd, tmp = tempfile.mkstemp(suffix=".tar.gz")
     os.close(fd)
     try:
-        with tarfile.open(tmp, "w:xz") as tar:
+        with tarfile.open(tmp, "w:gz", compresslevel=1) as tar:
             tar.add(folder, arcname=".")
         packed = os.path.getsize(tmp)
         if packed > max_mib * MIB:

@@ -225,7 +225,7 @@ for part in $parts; do
         log "full-length $FP run started in $FD"
         (cd "$PWD" && setsid nohup bash -c "python3 -m speedrun train --preset $FP --out $FD/runs --name $FP-full \
             --data '$SPEEDRUN_TEST_DATA/webmix_train_*.bin' --val-data '$SPEEDRUN_TEST_DATA/webmix_val_*.bin' \
-            $sets --quiet > $FD/stdout.txt 2>&1; echo \$? > $FD/rc" < /dev/null > /dev/null 2>&1 &)
+            $sets --quiet > $FD/stdout.txt 2>&1; echo \$? > $FD/rc" &) < /dev/null > /dev/null 2>&1  # (see upstream_f411b3d.sh)
       else
         log "full-length run in $FD started earlier: waiting for it"
       fi

@@ -13,7 +13,7 @@
 # upstream_clocks.csv + upstream_stage_marks.txt (SM clock and power per stage: gpu_clocks.py).
 # The same script runs upstream PR #344 (tools/upstream_pr344.sh sets the three variables below).
 # Compile cache (tools/compile_cache.py): the run compiles into /tmp/inductor_<UP's name>, first
-# filled from .carry/compile_cache/<UP's name>.compile_cache.tar.xz where one was carried; with
+# filled from .carry/compile_cache/<UP's name>.compile_cache.tar.gz where one was carried; with
 # UP_CACHE_OUT=DIR a finished run's cache is saved there under that name (if it packs into 15 MiB),
 # to carry to the next session.
 set -u
@@ -27,7 +27,7 @@ DATA=${DATA_DIR:-/tmp/webmix}
 WAIT_S=${WAIT_S:-540}
 UP_NAME_=$(basename "$UP")
 CACHE_DIR=/tmp/inductor_$UP_NAME_
-CACHE_FILE=$UP_NAME_.compile_cache.tar.xz
+CACHE_FILE=$UP_NAME_.compile_cache.tar.gz
 mkdir -p "$OUT"
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
 # Which kernel answers upstream's FA3 calls (fa3_shim.py): varlen (torch's, the default), cudnn or
@@ -67,13 +67,15 @@ start_run() {
   rm -rf "$CACHE_DIR"
   python3 "$R/tools/compile_cache.py" restore "$R/.carry/compile_cache/$CACHE_FILE" "$CACHE_DIR" | tee "$UP/compile_cache.txt"
   # setsid: a new session outlives the device call; torch.distributed.run == torchrun.  The SM
-  # clock and power log runs as long as the training (stage_marks.txt splits it by stage).
+  # clock and power log runs as long as the training (stage_marks.txt splits it by stage).  The
+  # redirections close the whole backgrounded list (the subshell that runs `cd && setsid ...`
+  # lives as long as the training): left on the caller's stdout, a caller reading it through a
+  # pipe (`... | tail`) would wait for the whole run.
   (cd "$UP" && TIKTOKEN_CACHE_DIR="$TIKTOKEN_DIR" TORCHINDUCTOR_CACHE_DIR="$CACHE_DIR" PYTHONUNBUFFERED=1 setsid nohup bash -c \
      'nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 250 \
         > clocks.csv 2>&1 & L=$!
       python3 -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt.py > stdout.txt 2>&1; echo $? > rc
-      kill $L' \
-     < /dev/null > /dev/null 2>&1 &)
+      kill $L' &) < /dev/null > /dev/null 2>&1
   log "started upstream in $UP (attention: $SPEEDRUN_SHIM_BACKEND)"
 }
 

@@ -26,9 +26,9 @@
 # three stages' JSONs with `--upstream <upstream>=<b>/upstream_steps.json:<preset>` (the
 # folder's README names the files).
 #
-# Part a's upstream run also saves its torch.compile cache as $OUT/up_<name>.compile_cache.tar.xz
+# Part a's upstream run also saves its torch.compile cache as $OUT/up_<name>.compile_cache.tar.gz
 # when it packs into 15 MiB (tools/compile_cache.py prints the size either way): keep it here as
-# .carry/compile_cache/up_<name>.compile_cache.tar.xz and the next session's run of the same
+# .carry/compile_cache/up_<name>.compile_cache.tar.gz and the next session's run of the same
 # upstream and backend loads its kernels instead of compiling them.
 #
 # The bench budgets below leave room for each arm's warmup, captures and self-checks besides its
