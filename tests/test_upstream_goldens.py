@@ -237,7 +237,7 @@ def test_optimizer_steps_match_goldens(use_triton):
 
     ``triton``: the presets' kernel path on a GPU (Polar Express and the fused Adam update as Triton
     kernels, here under the interpreter) for the second step, an Adam step, after the first on the
-    reference path (the interpreter takes about a minute a step).  The fused Adam's fp32 arithmetic differs from upstream's by a
+    reference path (one step: the interpreter is slow).  The fused Adam's fp32 arithmetic differs from upstream's by a
     few fp32 ulps (``tests/test_fused_adam.py``), which moves a bf16 weight one step wherever its
     update lands near a rounding boundary, so there the bound is one bf16 step per element, with no
     bound on how many."""

@@ -1,6 +1,6 @@
 """Carry a torch.compile cache (Inductor's cache folder, its Triton kernels included) from one GPU
 machine to the next, so a later session's run loads its compiled kernels instead of compiling them
-again (an upstream run spends ~7 of its ~8 minutes compiling).  Inductor keys every entry by the
+again (most of an upstream run's time on the machine is its compile).  Inductor keys every entry by the
 graph, torch, Triton and the device, so an entry that does not fit is a miss, never a wrong kernel.
 
     python3 tools/compile_cache.py restore ARCHIVE DIR     unpack ARCHIVE (.tar.gz) into DIR, if it exists
