@@ -59,6 +59,21 @@ def test_session_script_refuses_unknown_parts(tmp_path, name, part, env, says):
     assert not (tmp_path / "out").exists()  # refused before it made or ran anything
 
 
+def test_session_part_b_leaves_the_benches_to_another_call_when_too_little_time_is_left(tmp_path):
+    """Part b benches in the call that saw upstream finish only if B_MIN_S of its budget is left:
+    a bench cut by the call's limit brings back nothing worth having."""
+    bash = shutil.which("bash") or pytest.skip("no bash")
+    script = [s for s in SCRIPTS if s.name == "upstream_session.sh"][0]
+    up = tmp_path / "up"
+    up.mkdir()
+    (up / "rc").write_text("0\n")  # upstream's run finished
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "UP_SESSION_UP_DIR": str(up),
+           "BUDGET_S": "100", "B_MIN_S": "240"}
+    out = subprocess.run([bash, str(script), "b"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 1 and "run part b again for the benches" in out.stderr, out.stderr
+    assert not (tmp_path / "out" / "bench_step_stage0.json").exists()
+
+
 def test_fa4_carry_refuses_what_it_cannot_do_and_checks_the_joined_parts(tmp_path):
     """Unknown commands, a stage without the prepared part, an install without the staged one,
     and parts of two different prepares (the checksum) each stop with a message before pip runs."""

@@ -12,12 +12,14 @@
 #   a  start the upstream run in its own session (~8 minutes of compile), GPU tests beside its
 #      compile (small shapes only: they must not share the GPU with its timed steps; TESTS_PATHS
 #      and TESTS_K choose them, by default the whole-compile training test), then wait for it
-#   b  record and candidate interleaved at stages 1 and 2 (if upstream is still running, the call
-#      only waits for it and says to run part b again); B_PRESETS (default "record candidate")
-#      chooses the arms
+#   b  record and candidate interleaved at stages 1 and 2; if upstream is still running the call
+#      first waits for it (up to WAIT_S, default 300 s) and benches only if at least B_MIN_S (default
+#      240 s) of BUDGET_S (default 560 s) is left, else says to run part b again; B_PRESETS (default
+#      "record candidate") chooses the arms
 #   c  stage 3, one arm per process (two stage-3 graph arms do not fit an 80 GB card); C_PRESETS
 #      (default "candidate record") chooses the arms, C_BUDGET_S (default 270) caps each
 #
+# UP_SESSION_UP_DIR (default /tmp/up_<upstream>-<backend>) is where the upstream run lives.
 # On the GPU machine, repo root as cwd, `.carry` and `.whl` carried (see tools/device_run.sh and
 # tools/upstream_f411b3d.sh for what they hold):   [UPSTREAM=..] [BACKEND=..] bash tools/upstream_session.sh a|b|c
 # Everything a part writes goes to /tmp/upstream_session/<upstream>-<backend>/<part>/ and is
@@ -62,7 +64,7 @@ upstream() {  # wait (up to $1 s) for the run part a started, collecting its out
   OUT=$W/upstream WAIT_S=$1 DATA_DIR=/tmp/webmix_up SPEEDRUN_SHIM_BACKEND=$BACKEND UP_CACHE_OUT=$O \
     bash "$R/tools/$up_script" $UPA 2>&1 | tail -15
 }
-export UP_DIR=/tmp/up_$name UP_NAME=$UPSTREAM UP_PRESET=$up_preset CHAIN=3 HOST_STEPS=3 SYNC_SCAN=0
+export UP_DIR=${UP_SESSION_UP_DIR:-/tmp/up_$name} UP_NAME=$UPSTREAM UP_PRESET=$up_preset CHAIN=3 HOST_STEPS=3 SYNC_SCAN=0
 case $part in
   a)
     if [ "$BACKEND" = fa4 ] && [ ! -d "${FA4_SITE:-/tmp/fa4site}" ]; then
@@ -74,13 +76,17 @@ case $part in
       bash "$R/tools/device_run.sh" tests; pack
     upstream "${WAIT_S:-220}"; pack ;;
   b)
-    if [ ! -e "$UP_DIR/rc" ]; then  # still running: this call only waits (the benches need a call of their own)
-      upstream "${WAIT_S:-500}"; pack
-      [ -e "$UP_DIR/rc" ] && echo "$UPSTREAM's run finished: run part b again for the benches" >&2
-      exit 1
+    b_start=$(date +%s)
+    if [ ! -e "$UP_DIR/rc" ]; then  # still running: wait for it, then bench with what is left of the call
+      upstream "${WAIT_S:-300}"; pack
+      if [ ! -e "$UP_DIR/rc" ]; then echo "$UPSTREAM's run is still going: run part b again" >&2; exit 1; fi
+    fi
+    budget=$(( ${BUDGET_S:-560} - ($(date +%s) - b_start) ))
+    if [ "$budget" -lt "${B_MIN_S:-240}" ]; then  # the benches would be cut: they need a call of their own
+      echo "$UPSTREAM's run finished, ${budget} s left of the call: run part b again for the benches" >&2; exit 1
     fi
     arms=""; for preset in ${B_PRESETS:-record candidate}; do arms="$arms $(arm_of "$preset")"; done
-    OUT=$W BUDGET_S=${BUDGET_S:-560} STAGES="0 1" BENCH_ARMS="${arms# }" \
+    OUT=$W BUDGET_S=$budget STAGES="0 1" BENCH_ARMS="${arms# }" \
       bash "$R/tools/device_run.sh" record; pack ;;
   c)
     for preset in ${C_PRESETS:-candidate record}; do
