@@ -15,7 +15,8 @@
 #   b  record and candidate interleaved at stages 1 and 2; if upstream is still running the call
 #      first waits for it (up to WAIT_S, default 300 s) and benches only if at least B_MIN_S (default
 #      240 s) of BUDGET_S (default 560 s) is left, else says to run part b again; B_PRESETS (default
-#      "record candidate") chooses the arms
+#      "record candidate") chooses the arms and B_STAGES (default "0 1") the stages (one arm fits
+#      an 80 GB card at stage 3 too: B_PRESETS=candidate B_STAGES="0 1 2" is the shortest session)
 #   c  stage 3, one arm per process (two stage-3 graph arms do not fit an 80 GB card); C_PRESETS
 #      (default "candidate record") chooses the arms, C_BUDGET_S (default 270) caps each
 #
@@ -86,7 +87,7 @@ case $part in
       echo "$UPSTREAM's run finished, ${budget} s left of the call: run part b again for the benches" >&2; exit 1
     fi
     arms=""; for preset in ${B_PRESETS:-record candidate}; do arms="$arms $(arm_of "$preset")"; done
-    OUT=$W BUDGET_S=$budget STAGES="0 1" BENCH_ARMS="${arms# }" \
+    OUT=$W BUDGET_S=$budget STAGES="${B_STAGES:-0 1}" BENCH_ARMS="${arms# }" \
       bash "$R/tools/device_run.sh" record; pack ;;
   c)
     for preset in ${C_PRESETS:-candidate record}; do
