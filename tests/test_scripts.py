@@ -48,6 +48,7 @@ def test_multigpu_script_refuses_unknown_parts(tmp_path):
     ("upstream_session.sh", "b", {"BACKEND": "fa3"}, "BACKEND must be varlen, cudnn or fa4"),
     ("upstream_session.sh", "c", {"C_PRESETS": "candidate upstream"}, "C_PRESETS hold candidate and/or record"),
     ("upstream_session.sh", "b", {"B_PRESETS": "recrod"}, "not recrod"),
+    ("upstream_session.sh", "a", {"A_WARM_PRESETS": "cand"}, "not cand"),
     ("fa4_session.sh", "5", {}, "usage"),
 ])
 def test_session_script_refuses_unknown_parts(tmp_path, name, part, env, says):

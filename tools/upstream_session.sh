@@ -11,7 +11,10 @@
 #
 #   a  start the upstream run in its own session (~8 minutes of compile), GPU tests beside its
 #      compile (small shapes only: they must not share the GPU with its timed steps; TESTS_PATHS
-#      and TESTS_K choose them, by default the whole-compile training test), then wait for it
+#      and TESTS_K choose them, by default the whole-compile training test), then wait for it;
+#      with A_WARM_PRESETS (e.g. "candidate") part a compiles those arms instead of testing, at
+#      A_WARM_STAGES (default "0 1": a stage-3 arm beside upstream's run needs more than 80 GB)
+#      within A_WARM_S (default 330 s), so that part b's warmups load from the inductor cache
 #   b  record and candidate interleaved at stages 1 and 2; if upstream is still running the call
 #      first waits for it (up to WAIT_S, default 300 s) and benches only if at least B_MIN_S (default
 #      240 s) of BUDGET_S (default 560 s) is left, else says to run part b again; B_PRESETS (default
@@ -47,8 +50,8 @@ case $UPSTREAM in
   *) echo "UPSTREAM must be pr344 or f411b3d, not $UPSTREAM" >&2; exit 2 ;;
 esac
 case $BACKEND in varlen|cudnn|fa4) ;; *) echo "BACKEND must be varlen, cudnn or fa4, not $BACKEND" >&2; exit 2 ;; esac
-for preset in ${B_PRESETS:-} ${C_PRESETS:-}; do
-  case $preset in candidate|record) ;; *) echo "B_PRESETS and C_PRESETS hold candidate and/or record, not $preset" >&2; exit 2 ;; esac
+for preset in ${A_WARM_PRESETS:-} ${B_PRESETS:-} ${C_PRESETS:-}; do
+  case $preset in candidate|record) ;; *) echo "A_WARM_PRESETS, B_PRESETS and C_PRESETS hold candidate and/or record, not $preset" >&2; exit 2 ;; esac
 done
 arm_of() { case $1 in candidate) echo "candg=candidate:$V" ;; record) echo "recg=record:$V" ;; esac; }
 R=$(pwd)
@@ -72,6 +75,14 @@ case $part in
       bash "$R/tools/fa4_carry.sh" install > "$W/fa4_install.txt" 2>&1 || { cat "$W/fa4_install.txt"; pack; exit 1; }
     fi
     upstream 1; pack
+    if [ -n "${A_WARM_PRESETS:-}" ]; then
+      # Instead of tests: compile our arms beside upstream's compile (the fewest timed steps a bench
+      # takes; its timings mean nothing), so part b's warmups load their kernels from the inductor cache.
+      arms=""; for preset in $A_WARM_PRESETS; do arms="$arms $(arm_of "$preset")"; done
+      OUT=$W/warm BUDGET_S=${A_WARM_S:-330} STAGES="${A_WARM_STAGES:-0 1}" BENCH_ARMS="${arms# }" BENCH_STEPS=20 \
+        HOST_STEPS=0 CHAIN=1 bash "$R/tools/device_run.sh" record > "$W/warm_log.txt" 2>&1; tail -5 "$W/warm_log.txt"; pack
+      upstream "${WAIT_S:-220}"; pack; date -u; exit 0
+    fi
     OUT=$W/tests BUDGET_S=${TESTS_BUDGET_S:-300} TESTS_S=${TESTS_BUDGET_S:-300} TESTS_ARGS="--timeout=200" \
       TESTS_PATHS="${TESTS_PATHS:-tests/gpu/test_train_gpu.py}" TESTS_K="${TESTS_K-compiles_whole}" \
       bash "$R/tools/device_run.sh" tests; pack
