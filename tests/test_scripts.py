@@ -479,3 +479,56 @@ def test_upstream_script_returns_while_its_run_goes_on(tmp_path):
     finally:
         if shutil.which("pkill"):
             subprocess.run(["pkill", "-f", marker], capture_output=True)
+
+
+def test_carry_prepare_fills_the_carried_folders_from_shared_and_upstream_commits(tmp_path):
+    """tools/carry_prepare.sh: the shards, tokenizer files and the two upstream commits' three files
+    land where the device scripts read them; a missing commit or shared folder stops it with a
+    message before it writes anything."""
+    bash = shutil.which("bash") or pytest.skip("no bash")
+    git = shutil.which("git") or pytest.skip("no git")
+    script = [s for s in SCRIPTS if s.name == "carry_prepare.sh"][0]
+    up = tmp_path / "modded-nanogpt"
+    up.mkdir()
+    genv = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+
+    def commit(tag):
+        for f in ("train_gpt.py", "triton_kernels.py", "dc_triton_kernels.py"):
+            (up / f).write_text(f"# {f} at {tag}\n")
+        subprocess.run([git, "add", "."], cwd=up, check=True, env=genv)
+        subprocess.run([git, "commit", "-qm", tag], cwd=up, check=True, env=genv)
+        return subprocess.run([git, "rev-parse", "HEAD"], cwd=up, check=True, env=genv, capture_output=True,
+                              text=True).stdout.strip()
+
+    subprocess.run([git, "init", "-q"], cwd=up, check=True, env=genv)
+    first, second = commit("record"), commit("pr")
+    shared = tmp_path / "shared"
+    (shared / "data").mkdir(parents=True)
+    for name in ("webmix_train_000000.bin.xz", "webmix_val_000000.bin.xz"):
+        (shared / "data" / name).write_bytes(b"xz stand-in")
+    for sub, name in (("gpt2", "vocab.bpe"), ("tiktoken_cache", "0ea1e9")):
+        (shared / "tokenizer" / sub).mkdir(parents=True)
+        (shared / "tokenizer" / sub / name).write_text("stand-in")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    env = {**genv, "SHARED": str(shared), "WHEELS": "0", "UPSTREAM_COMMIT": first, "PR344_COMMIT": second}
+
+    out = subprocess.run([bash, str(script), str(up)], capture_output=True, text=True, env=env, cwd=repo)
+    assert out.returncode == 0, out.stderr
+    carry = repo / ".carry"
+    assert (carry / "upstream" / "train_gpt.py").read_text() == "# train_gpt.py at record\n"
+    assert (carry / "pr344" / "dc_triton_kernels.py").read_text() == "# dc_triton_kernels.py at pr\n"
+    assert (carry / "webmix_val_000000.bin.xz").read_bytes() == b"xz stand-in"
+    assert (carry / "gpt2" / "vocab.bpe").exists() and (carry / "upstream" / "tiktoken_cache" / "0ea1e9").exists()
+    assert not (repo / ".whl").exists()
+
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    out = subprocess.run([bash, str(script), str(up)], capture_output=True, text=True,
+                         env={**env, "PR344_COMMIT": "0" * 40}, cwd=fresh)
+    assert out.returncode == 2 and "has no commit" in out.stderr
+    out = subprocess.run([bash, str(script), str(up)], capture_output=True, text=True,
+                         env={**env, "SHARED": str(tmp_path / "nowhere")}, cwd=fresh)
+    assert out.returncode == 2 and "webmix" in out.stderr
+    assert not (fresh / ".carry").exists()

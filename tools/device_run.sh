@@ -3,7 +3,8 @@
 # Usage (on the GPU machine, repo root):  bash tools/device_run.sh [parts...]
 # parts: tests doctor attention kernels train record profile ncu abloss recordrun candrun fullrun
 # (default: the first five).
-# Webmix shards (.xz) are read from .carry/ when present.  BUDGET_S (default 570) bounds the whole
+# Webmix shards (.xz) are read from .carry/ when present (a fresh checkout fills .carry/ and .whl/ with
+# tools/carry_prepare.sh).  BUDGET_S (default 570) bounds the whole
 # call: each part's timeout is cut to what is left of it, so a hung part cannot eat the call.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
