@@ -13,7 +13,7 @@
 #      compile (small shapes only: they must not share the GPU with its timed steps; TESTS_PATHS
 #      and TESTS_K choose them, by default the whole-compile training test), then wait for it;
 #      with A_WARM_PRESETS (e.g. "candidate") part a compiles those arms instead of testing, at
-#      A_WARM_STAGES (default "0 1": a stage-3 arm beside upstream's run needs more than 80 GB)
+#      A_WARM_STAGES (default "0 1": a stage-3 arm may not fit beside upstream's run in 80 GB)
 #      within A_WARM_S (default 330 s), so that part b's warmups load from the inductor cache
 #   b  record and candidate interleaved at stages 1 and 2; if upstream is still running the call
 #      first waits for it (up to WAIT_S, default 300 s) and benches only if at least B_MIN_S (default
