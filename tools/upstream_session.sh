@@ -54,6 +54,7 @@ for preset in ${A_WARM_PRESETS:-} ${B_PRESETS:-} ${C_PRESETS:-}; do
   case $preset in candidate|record) ;; *) echo "A_WARM_PRESETS, B_PRESETS and C_PRESETS hold candidate and/or record, not $preset" >&2; exit 2 ;; esac
 done
 arm_of() { case $1 in candidate) echo "candg=candidate:$V" ;; record) echo "recg=record:$V" ;; esac; }
+arms_of() { local p a=""; for p in "$@"; do a="$a $(arm_of "$p")"; done; echo "${a# }"; }  # BENCH_ARMS of presets
 R=$(pwd)
 name=$UPSTREAM-$BACKEND
 W=/tmp/upstream_session/$name/$part
@@ -78,14 +79,15 @@ case $part in
     if [ -n "${A_WARM_PRESETS:-}" ]; then
       # Instead of tests: compile our arms beside upstream's compile (the fewest timed steps a bench
       # takes; its timings mean nothing), so part b's warmups load their kernels from the inductor cache.
-      arms=""; for preset in $A_WARM_PRESETS; do arms="$arms $(arm_of "$preset")"; done
-      OUT=$W/warm BUDGET_S=${A_WARM_S:-330} STAGES="${A_WARM_STAGES:-0 1}" BENCH_ARMS="${arms# }" BENCH_STEPS=20 \
-        HOST_STEPS=0 CHAIN=1 bash "$R/tools/device_run.sh" record > "$W/warm_log.txt" 2>&1; tail -5 "$W/warm_log.txt"; pack
-      upstream "${WAIT_S:-220}"; pack; date -u; exit 0
+      OUT=$W/warm BUDGET_S=${A_WARM_S:-330} STAGES="${A_WARM_STAGES:-0 1}" BENCH_ARMS="$(arms_of $A_WARM_PRESETS)" \
+        BENCH_STEPS=20 HOST_STEPS=0 CHAIN=1 bash "$R/tools/device_run.sh" record > "$W/warm_log.txt" 2>&1
+      tail -5 "$W/warm_log.txt"
+    else
+      OUT=$W/tests BUDGET_S=${TESTS_BUDGET_S:-300} TESTS_S=${TESTS_BUDGET_S:-300} TESTS_ARGS="--timeout=200" \
+        TESTS_PATHS="${TESTS_PATHS:-tests/gpu/test_train_gpu.py}" TESTS_K="${TESTS_K-compiles_whole}" \
+        bash "$R/tools/device_run.sh" tests
     fi
-    OUT=$W/tests BUDGET_S=${TESTS_BUDGET_S:-300} TESTS_S=${TESTS_BUDGET_S:-300} TESTS_ARGS="--timeout=200" \
-      TESTS_PATHS="${TESTS_PATHS:-tests/gpu/test_train_gpu.py}" TESTS_K="${TESTS_K-compiles_whole}" \
-      bash "$R/tools/device_run.sh" tests; pack
+    pack
     upstream "${WAIT_S:-220}"; pack ;;
   b)
     b_start=$(date +%s)
@@ -97,8 +99,7 @@ case $part in
     if [ "$budget" -lt "${B_MIN_S:-240}" ]; then  # the benches would be cut: they need a call of their own
       echo "$UPSTREAM's run finished, ${budget} s left of the call: run part b again for the benches" >&2; exit 1
     fi
-    arms=""; for preset in ${B_PRESETS:-record candidate}; do arms="$arms $(arm_of "$preset")"; done
-    OUT=$W BUDGET_S=$budget STAGES="${B_STAGES:-0 1}" BENCH_ARMS="${arms# }" \
+    OUT=$W BUDGET_S=$budget STAGES="${B_STAGES:-0 1}" BENCH_ARMS="$(arms_of ${B_PRESETS:-record candidate})" \
       bash "$R/tools/device_run.sh" record; pack ;;
   c)
     for preset in ${C_PRESETS:-candidate record}; do
