@@ -17,8 +17,10 @@ Three differences are not wiring and are bridged where they happen:
 - the key offset's overlapping copy needs upstream's compiled semantics (``upstream_model.PATCHES``).
 
 Then the initialisation, the schedule at every step, eight optimizer steps across the untie,
-the data generator's batches, the bigram hash and the prefix-token table.  The training loss (FP8
-head, a CUDA C cross-entropy kernel) and the FP8 MLP kernel cannot run upstream's code on a CPU.
+the data generator's batches, the bigram hash and the prefix-token table, and one MLP layer through
+upstream's own MLP kernel (bf16 and its FP8 forward, in the interpreter made to round as a GPU
+does: ``tests/interpreter_numerics.py``) against the presets' MLP kernels.  The training loss (FP8
+head, a CUDA C cross-entropy kernel) cannot run upstream's code on a CPU.
 """
 
 from __future__ import annotations
@@ -478,3 +480,23 @@ def test_init_matches_upstream(upstream):
                 assert part_m.abs().max() == pytest.approx(part_w.abs().max().item(), rel=0.01, abs=1e-12), name
             assert part_m.std() == pytest.approx(part_w.std().item(), rel=0.03, abs=1e-12), name
     assert torch.equal(ours.embed, ours.lm_head.T)  # tied at init, as upstream copies lm_head^T
+
+
+@pytest.mark.parametrize("case,mode", [("bf16", "bf16"), ("fp8", "fp8_fwd")])
+def test_mlp_kernels_match_upstreams_kernel_live(upstream_src, case, mode):
+    """The MLP golden's comparison with upstream's kernel run now (``test_upstream_goldens`` has
+    the bounds and the recorded values)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("upstream's MLP kernel runs on the CPU only under TRITON_INTERPRET=1")
+    import upstream_goldens as G
+    from interpreter_numerics import gpu_numerics
+    from test_upstream_goldens import MLP_BOUNDS
+    from upstream_model import load_upstream_mlp, run_upstream_mlp
+
+    inputs = G.mlp_inputs()
+    with gpu_numerics():
+        want = run_upstream_mlp(load_upstream_mlp(upstream_src), inputs["x"], inputs["w1"], inputs["w2"],
+                                inputs["g"], fp8=case == "fp8")
+    got = G.our_mlp(inputs, mode)
+    errors = {k: ((got[k] - want[k]).norm() / want[k].norm()).item() for k in ("y", "dx", "dw1", "dw2")}
+    assert MLP_BOUNDS[mode][0] == case and max(errors.values()) < MLP_BOUNDS[mode][1], (mode, errors)

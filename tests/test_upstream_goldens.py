@@ -9,7 +9,8 @@ network in two window/YaRN cases, the gradient of every parameter, upstream's in
 step of three schedules, the validation sizes, eight NorMuon + Adam steps around the untie (one of
 them also through the optimizer's Triton kernels), the data generator's training and validation
 batches, and the loss head on 64 of upstream's final hidden states (against which the presets'
-Triton CE kernel runs, bf16 and FP8).  The training loss's MTP and prefix terms run in
+Triton CE kernel runs, bf16 and FP8), and one MLP layer through upstream's own MLP kernel (bf16 and
+its FP8 forward; the presets' MLP kernels run against it).  The training loss's MTP and prefix terms run in
 upstream's CUDA C cross-entropy kernel and cannot be recorded on a CPU; the schedule fixture pins
 their weights.
 """
@@ -323,6 +324,58 @@ def _assert_batch(b, want, i):
 
 
 # ----------------------------------------------------------------------------------------------
+# The presets' MLP kernels (Triton, under the interpreter) against upstream's own MLP kernel
+
+# Largest relative error (output, d x, d W1, d W2; through the sketches) of our relu2_mlp in a mode
+# against upstream's kernel on the same inputs.  Measured at recording: bf16 0.0047 (both round
+# post and the outputs to bf16); fp8_fwd against upstream's FP8 forward 0.049 (each side's own e4m3
+# scales; upstream's FP8 path is 0.058 from fp32); fp8_full 0.089 (its backward in FP8 too).
+MLP_BOUNDS = {"bf16": ("bf16", 0.01), "fp8_fwd": ("fp8", 0.08), "fp8_full": ("fp8", 0.15)}
+
+
+def _mlp_errors(got: dict, want: dict) -> dict:
+    return {k: G.relative_error(got[k], want[k], f"mlp.{k}") for k in ("y", "dx", "dw1", "dw2")}
+
+
+@pytest.fixture(scope="module")
+def mlp_golden():
+    from speedrun.kernels.fp8_cache import interpreting
+
+    if not interpreting():
+        pytest.skip("the MLP kernels need TRITON_INTERPRET=1 on a CPU")
+    payload = G.load_fixture("mlp")
+    if payload.get("shape") != vars(G.MLP_SHAPE):
+        raise G.GoldenFixtureError(f"{G.fixture_path('mlp')}: recorded at {payload.get('shape')}, not "
+                                   f"{vars(G.MLP_SHAPE)}; regenerate it with {G.REGENERATE}")
+    return G.mlp_inputs(), G.require(payload, "cases", "mlp")
+
+
+@pytest.mark.parametrize("mode", sorted(MLP_BOUNDS))
+def test_mlp_kernels_match_upstreams_kernel(mlp_golden, mode):
+    """One layer of the presets' ReLU² MLP (``relu2_mlp``: bf16; ``fp8_fwd``, the record's FP8
+    forward; ``fp8_full``, the candidate's FP8 forward and backward) against upstream's own
+    ``FusedLinearReLUSquareFunction`` (bf16, or its FP8 forward at a training step's delayed
+    activation scale): output and every gradient within the mode's bound."""
+    inputs, cases = mlp_golden
+    case, bound = MLP_BOUNDS[mode]
+    errors = _mlp_errors(G.our_mlp(inputs, mode), cases[case])
+    assert max(errors.values()) < bound, (mode, errors)
+
+
+def test_mlp_bounds_catch_a_wrong_layout_and_a_halved_gradient(mlp_golden):
+    """The bounds bite: c_proj read in the wrong layout (its (H, D) storage reshaped, not
+    transposed) moves the output, and a gradient off by the factor of 2 in d relu(z)^2 moves the
+    gradients, each far past even the loosest bound."""
+    inputs, cases = mlp_golden
+    loosest = max(b for _, b in MLP_BOUNDS.values())
+    H, D = inputs["w2"].shape
+    wrong_layout = {**inputs, "w2": inputs["w2"].reshape(D, H).t().contiguous()}
+    assert _mlp_errors(G.our_mlp(wrong_layout, "bf16"), cases["bf16"])["y"] > 5 * loosest
+    halved = _mlp_errors(G.our_mlp({**inputs, "g": inputs["g"] * 0.5}, "bf16"), cases["bf16"])
+    assert min(halved[k] for k in ("dx", "dw1", "dw2")) > 3 * loosest, halved
+
+
+# ----------------------------------------------------------------------------------------------
 # Bad fixture files: a clear error naming the file and the script that regenerates it
 
 
@@ -353,5 +406,5 @@ def test_fixture_lacking_a_key_names_file_and_script():
 
 def test_fixtures_are_small():
     sizes = {p.name: p.stat().st_size for p in G.FIXTURE_DIR.glob("*.pt")}
-    assert set(sizes) == {"network.pt", "init.pt", "schedule.pt", "optimizer.pt", "loader.pt"}, sizes
+    assert set(sizes) == {"network.pt", "init.pt", "schedule.pt", "optimizer.pt", "loader.pt", "mlp.pt"}, sizes
     assert sum(sizes.values()) < 2 * 2**20, sizes

@@ -47,6 +47,8 @@ FORWARD_CASES = ({"seed": 0, "windows": (64, 192), "yarn": ()},
                  {"seed": 1, "windows": (128, 384), "yarn": ((128, 256), (256, 384))})
 GRAD_SEED = 3
 HEAD_ROWS = 64  # rows of the gradient case whose head inputs and gradients the fixture keeps
+# one MLP layer (upstream's own kernel, bf16 and the record's FP8 forward): rows, width, hidden width
+MLP_SHAPE = SimpleNamespace(rows=64, model_dim=768, hidden=3072)
 SMALL = 16384  # tensors up to this many elements are stored whole, larger ones by recipe / sketch
 SKETCH_BUCKETS = 2048
 # our parameter name -> upstream's, where they differ
@@ -357,3 +359,40 @@ def pack_batch(inputs, targets, cu_seqlens, bigram) -> dict:
     """One batch, compactly: token and bigram ids as offset int16, the distinct document edges."""
     return {"inputs": _to16(inputs), "targets": _to16(targets), "bigram": _to16(bigram),
             "edges": torch.tensor(torch.unique_consecutive(cu_seqlens.long()).tolist(), dtype=torch.int32)}
+
+
+# ----------------------------------------------------------------------------------------------
+# One MLP layer: the inputs both sides draw, and our MLP on them
+
+
+def mlp_inputs(m=MLP_SHAPE) -> dict[str, torch.Tensor]:
+    """bf16 ``x`` (rows, D) with unit RMS rows (the normed input an MLP gets), ``w1`` (H, D) and
+    ``w2`` (H, D) at the scale of upstream's init (c_fc's std 0.5 / sqrt(D), c_proj by its fan-in),
+    ``g`` (rows, D) a unit-scale output gradient; drawn from recipes, so the fixture holds only
+    upstream's outputs."""
+    x = recipe_tensor("mlp.x", (m.rows, m.model_dim), 0, 1.0)
+    x = x / x.square().mean(-1, keepdim=True).sqrt()
+    return {"x": x.bfloat16(),
+            "w1": recipe_tensor("mlp.w1", (m.hidden, m.model_dim), 0, 0.5 * m.model_dim**-0.5).bfloat16(),
+            "w2": recipe_tensor("mlp.w2", (m.hidden, m.model_dim), 0, 0.5 * m.hidden**-0.5).bfloat16(),
+            "g": recipe_tensor("mlp.g", (m.rows, m.model_dim), 0, 1.0).bfloat16()}
+
+
+def our_mlp(inputs: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
+    """Our :func:`~speedrun.kernels.mlp.relu2_mlp` in ``mode`` (``bf16``; ``fp8_fwd``, the
+    record's; ``fp8_full``, the candidate's) on :func:`mlp_inputs`, weights quantised as the
+    presets' hook does without a cache (both layouts of each from one quantisation), a fresh
+    scale state (which calibrates on the call): fp32 ``y``, ``dx``, ``dw1`` (H, D), ``dw2`` in
+    upstream's (H, D) layout."""
+    from speedrun.kernels.fp8_cache import FP8Weight, quantize_current
+    from speedrun.kernels.mlp import relu2_mlp
+
+    x = inputs["x"].clone().requires_grad_()
+    w1 = inputs["w1"].clone().requires_grad_()
+    w2 = inputs["w2"].clone().requires_grad_()  # (H, D); the MLP takes its (D, H) view
+    cache = None
+    if mode != "bf16":
+        cache = (FP8Weight(*quantize_current(w1.detach())), FP8Weight(*quantize_current(w2.detach())).t())
+    y = relu2_mlp(x, w1, w2.t(), mode=mode, cache=cache)
+    y.backward(inputs["g"])
+    return {"y": y.detach().float(), "dx": x.grad.float(), "dw1": w1.grad.float(), "dw2": w2.grad.float()}

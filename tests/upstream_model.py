@@ -15,6 +15,11 @@ stand-ins:
 - the DC correction: upstream's own autograd Function and Triton kernels (they need
   ``TRITON_INTERPRET=1``), called below the wrapper that refuses CPU tensors.
 
+The MLP golden runs upstream's own MLP kernel instead (:func:`load_upstream_mlp`,
+:func:`run_upstream_mlp`): its persistent Hopper kernel and FP8 scale kernels from
+``triton_kernels.py``, in the interpreter made to round as a GPU does
+(``tests/interpreter_numerics.py``).
+
 Nothing here is project code: it exists so that tests can run upstream next to ours.
 """
 
@@ -102,17 +107,19 @@ def _dc_correction(dc_module: ModuleType):
     return dc_correction
 
 
-def exec_upstream(src: Path, names: tuple[str, ...], env: dict, *, strip_compile: bool = False) -> dict:
-    """Execute the top-level definitions ``names`` of upstream's ``train_gpt.py`` (functions,
-    classes, and single-name assignments such as ``TRAINING_STAGES = [...]``), in file order, in a
-    namespace seeded with ``env``; returns that namespace.  :data:`PATCHES` are applied first.
-    ``strip_compile`` drops ``@torch.compile(...)`` decorators (the CPU runs the same code eagerly).
+def exec_upstream(src: Path, names: tuple[str, ...], env: dict, *, strip_compile: bool = False,
+                  file: str = "train_gpt.py", patches=PATCHES) -> dict:
+    """Execute the top-level definitions ``names`` of upstream's ``file`` (functions, classes, and
+    single-name assignments such as ``TRAINING_STAGES = [...]``), in file order, in a namespace
+    seeded with ``env``; returns that namespace.  ``patches`` (:data:`PATCHES` for
+    ``train_gpt.py``) are applied first.  ``strip_compile`` drops ``@torch.compile(...)``
+    decorators (the CPU runs the same code eagerly).
     """
-    text = (src / "train_gpt.py").read_text()
-    for anchor, replacement, count in PATCHES:
+    text = (src / file).read_text()
+    for anchor, replacement, count in patches:
         found = text.count(anchor)
         if found != count:
-            raise RuntimeError(f"upstream train_gpt.py: anchor {anchor!r} found {found}x, expected {count}")
+            raise RuntimeError(f"upstream {file}: anchor {anchor!r} found {found}x, expected {count}")
         text = text.replace(anchor, replacement)
 
     def name_of(node):
@@ -127,7 +134,7 @@ def exec_upstream(src: Path, names: tuple[str, ...], env: dict, *, strip_compile
     kept = [n for n in ast.parse(text).body if name_of(n) in names]
     missing = set(names) - {name_of(n) for n in kept}
     if missing:
-        raise RuntimeError(f"upstream train_gpt.py lacks {sorted(missing)}")
+        raise RuntimeError(f"upstream {file} lacks {sorted(missing)}")
     if strip_compile:
         for node in kept:
             for fn in [node, *getattr(node, "body", [])]:
@@ -136,7 +143,7 @@ def exec_upstream(src: Path, names: tuple[str, ...], env: dict, *, strip_compile
     ns = dict(torch=torch, nn=nn, F=F, Tensor=Tensor, math=math, os=os, uuid=uuid, dataclass=dataclass,
               accumulate=accumulate, pairwise=pairwise, device=torch.device("cpu"))
     ns.update(env)
-    exec(compile(ast.Module(body=kept, type_ignores=[]), str(src / "train_gpt.py"), "exec"), ns)
+    exec(compile(ast.Module(body=kept, type_ignores=[]), str(src / file), "exec"), ns)
     return ns
 
 
@@ -242,3 +249,96 @@ def upstream_optimizer_arguments(manager_cls) -> dict:
     finally:
         init.__globals__["NorMuonAndAdam"] = saved
     return captured
+
+
+# ----------------------------------------------------------------------------------------------
+# Upstream's ReLU² MLP as its training forward runs it (its own Hopper kernel, in Triton's CPU
+# interpreter): for the MLP golden fixture, which the presets' MLP kernels are compared against
+
+# The definitions taken from triton_kernels.py (importing it compiles a CUDA C kernel).
+MLP_KERNEL_NAMES = ("linear_relu_square_kernel", "_dummy_f32", "_get_dummy_f32", "linear_relu_square",
+                    "FusedLinearReLUSquareFunction", "reduce_mlp_activation_scales_kernel",
+                    "reduce_mlp_activation_scales", "quantize_transpose_mlp_down_weights_kernel",
+                    "quantize_transpose_mlp_down_weights")
+MLP_SMS = 8  # the SM count upstream's persistent MLP kernel is told: the CPU runs that many programs
+KERNEL_PATCHES = (
+    # the persistent grid's size: a GPU's SM count, which the CPU has not
+    ('torch.cuda.get_device_properties("cuda").multi_processor_count', str(MLP_SMS), 1),
+)
+# GPT.__init__'s FP8 MLP state at its initial values (upstream registers these buffers)
+MLP_FP8_LAYERS = 12
+MLP_DOWN_WEIGHT_TILES = 576  # upstream's (12, 576) partial amax of the down weights: (3072 / 64) * (768 / 64)
+ACT_HEADROOM = 1.80  # GPT.forward's reduce_mlp_activation_scales(..., headroom=1.80) at the end of each forward
+
+
+def load_upstream_mlp(src: Path) -> SimpleNamespace:
+    """Upstream's MLP kernel and the FP8 state around it: ``FusedLinearReLUSquareFunction`` (its
+    ``linear_relu_square`` Hopper kernel, persistent over :data:`MLP_SMS` programs),
+    ``reduce_mlp_activation_scales``, ``quantize_transpose_mlp_down_weights`` and
+    ``quantize_mlp_fp8`` (``GPT``'s method, run on a stand-in ``self`` holding the MLP bank and the
+    buffers it reads).  Run them with ``TRITON_INTERPRET=1`` inside
+    :func:`interpreter_numerics.gpu_numerics`."""
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    ns = exec_upstream(src, MLP_KERNEL_NAMES, dict(triton=triton, tl=tl, TensorDescriptor=TensorDescriptor),
+                       file="triton_kernels.py", patches=KERNEL_PATCHES)
+    gpt = next((n for n in ast.parse((src / "train_gpt.py").read_text()).body
+                if isinstance(n, ast.ClassDef) and n.name == "GPT"), None)
+    method = next((n for n in getattr(gpt, "body", ()) if isinstance(n, ast.FunctionDef) and n.name == "quantize_mlp_fp8"),
+                  None)
+    if method is None:
+        raise RuntimeError("upstream train_gpt.py lacks GPT.quantize_mlp_fp8")
+    env = dict(torch=torch, quantize_transpose_mlp_down_weights=ns["quantize_transpose_mlp_down_weights"])
+    exec(compile(ast.Module(body=[method], type_ignores=[]), str(src / "train_gpt.py"), "exec"), env)
+    ns["quantize_mlp_fp8"] = env["quantize_mlp_fp8"]
+    return SimpleNamespace(**ns)
+
+
+def run_upstream_mlp(up: SimpleNamespace, x: Tensor, w1: Tensor, w2: Tensor, g: Tensor, *, fp8: bool) -> dict:
+    """One layer of upstream's MLP, forward and backward: ``x`` (T, D) bf16 (the normed input),
+    ``w1`` (H, D) and ``w2`` (H, D) bf16 (c_fc and c_proj as upstream's bank stores them), ``g``
+    (T, D) bf16 the gradient of the output.  Returns fp32 ``y`` (T, D), ``dx``, ``dw1`` (H, D),
+    ``dw2`` (H, D); with ``fp8`` also ``act_scale``, the activation scale the recorded call used.
+
+    ``fp8``: the training path of the record.  The bank (layer 0 = the weights, the other layers
+    zero) goes through ``quantize_mlp_fp8(bootstrap_down=True)``; the layer's arguments are built
+    as ``GPT.forward`` builds them (x quantised by its own amax, the dequantisation scale
+    ``up_scale * amax / 448``); a first call measures the activation amax, which
+    ``reduce_mlp_activation_scales`` turns into the scale of the recorded second call, as a
+    training step's forward does for the next one."""
+    T, D = x.shape
+    H = w1.shape[0]
+    bank = torch.zeros(MLP_FP8_LAYERS, 2, H, D, dtype=w1.dtype)
+    bank[0, 0], bank[0, 1] = w1, w2
+    c_fc, c_proj = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    xg = x.clone().requires_grad_()
+    out = {}
+    if fp8:
+        me = SimpleNamespace(mlp_bank=bank, _mlp_down_proj_next_scales=torch.ones(MLP_FP8_LAYERS),
+                             _mlp_down_proj_scales=torch.ones(MLP_FP8_LAYERS),
+                             _mlp_down_weight_partial_amax=torch.empty(MLP_FP8_LAYERS, MLP_DOWN_WEIGHT_TILES))
+        with torch.no_grad():
+            up.quantize_mlp_fp8(me, bootstrap_down=True)
+        act_scales = torch.ones(MLP_FP8_LAYERS)
+        partial_amax = torch.zeros(MLP_FP8_LAYERS - 1, MLP_SMS)
+
+        def mlp(inp, a, b):
+            amax = inp.detach().abs().max().clamp(min=1e-12)
+            x_f8 = (inp.detach() * (448.0 / amax)).to(torch.float8_e4m3fn)
+            me._mlp_dequant_scale_buf.copy_(me._mlp_up_proj_scales[0:1]).mul_(amax).div_(448.0)
+            return up.FusedLinearReLUSquareFunction.apply(
+                inp, a, b, me._mlp_up_proj_f8[0], me._mlp_dequant_scale_buf, x_f8, me._mlp_down_proj_f8[0],
+                me._mlp_down_proj_scales[0:1], act_scales[0:1], partial_amax[0])
+
+        with torch.no_grad():
+            mlp(x, w1, w2)
+        up.reduce_mlp_activation_scales(partial_amax, act_scales[:MLP_FP8_LAYERS - 1], headroom=ACT_HEADROOM)
+        out["act_scale"] = act_scales[0].item()
+        y = mlp(xg, c_fc, c_proj)
+    else:
+        y = up.FusedLinearReLUSquareFunction.apply(xg, c_fc, c_proj)
+    y.backward(g)
+    out.update(y=y.detach().float(), dx=xg.grad.float(), dw1=c_fc.grad.float(), dw2=c_proj.grad.float())
+    return out

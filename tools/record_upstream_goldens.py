@@ -5,8 +5,8 @@
 UPSTREAM_DIR holds upstream f411b3d's ``train_gpt.py``, ``triton_kernels.py`` and
 ``dc_triton_kernels.py`` (``git show f411b3d:train_gpt.py`` etc. in a clone of
 KellerJordan/modded-nanogpt; never committed here).  Upstream's code runs on the CPU through
-``tests/upstream_model.py`` (its stand-ins for FA3 and the Hopper MLP kernel; its own DC Triton
-kernels under the interpreter).  The inputs are rebuilt from the recipes of
+``tests/upstream_model.py`` (its stand-ins for FA3 and, in the network, the Hopper MLP kernel;
+its own DC and MLP Triton kernels under the interpreter).  The inputs are rebuilt from the recipes of
 ``tests/upstream_goldens.py`` (seeds and names), so the fixtures hold only upstream's outputs and
 the few small tensors that are not drawn from a recipe.  ``tests/test_upstream_goldens.py`` reads
 them.  One fixture per part:
@@ -19,6 +19,10 @@ them.  One fixture per part:
 - ``schedule``: every step's settings of three schedules, the validation sizes;
 - ``optimizer``: eight NorMuon + Adam steps around the untie (update sketches, sampled Adam weights);
 - ``loader``: training batches at two stage shapes and validation batches of synthetic shards.
+- ``mlp``: one MLP layer through upstream's own kernel (``FusedLinearReLUSquareFunction``), bf16
+  and the record's FP8 forward (its weight quantisation and delayed activation scale), on inputs
+  drawn from recipes: output, d x, d W1, d W2 (sketches).  The kernel runs in Triton's interpreter
+  made to round as a GPU does (``tests/interpreter_numerics.py``).
 """
 
 from __future__ import annotations
@@ -263,8 +267,21 @@ def record_loader(src: Path, out: Path) -> None:
                               "val": val, "val_shard_digest": val_digest}, out)
 
 
+def record_mlp(src: Path, out: Path) -> None:
+    from interpreter_numerics import gpu_numerics
+
+    up = U.load_upstream_mlp(src)
+    inputs = G.mlp_inputs()
+    cases = {}
+    with gpu_numerics():
+        for case, fp8 in (("bf16", False), ("fp8", True)):
+            got = U.run_upstream_mlp(up, inputs["x"], inputs["w1"], inputs["w2"], inputs["g"], fp8=fp8)
+            cases[case] = {k: (v if k == "act_scale" else G.compact(v, f"mlp.{k}")) for k, v in got.items()}
+    G.save_fixture("mlp", {"shape": vars(G.MLP_SHAPE), "sms": U.MLP_SMS, "cases": cases}, out)
+
+
 PARTS = {"network": record_network, "init": record_init, "schedule": record_schedule,
-         "optimizer": record_optimizer, "loader": record_loader}
+         "optimizer": record_optimizer, "loader": record_loader, "mlp": record_mlp}
 
 
 def main(argv=None) -> int:
