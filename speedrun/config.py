@@ -417,8 +417,10 @@ def tiny_record() -> RunConfig:
 
 def candidate() -> RunConfig:
     """The record recipe with the reduced-width attention routing switched on (issue 4): Q/K heads
-    96 wide (V and the residual stay 128), one packed FP8 QKV GEMM per layer, fused QK-prep, FP8
-    across the whole MLP with delayed input scaling, and 45 extension steps (1315).
+    96 wide (V and the residual stay 128; the softmax scale starts at 0.1 * sqrt(128 / 96), PR
+    #344's rule, :meth:`~speedrun.model.record.RecordGPT.starting_attn_scale`), one packed FP8 QKV
+    GEMM per layer, fused QK-prep, FP8 across the whole MLP with delayed input scaling, and 45
+    extension steps (1315).
 
     Delayed scaling because it is faster per step than current scaling and a shortened loss A/B
     against the record found no loss cost (docs/status.md).  The QK-prep backward writes the packed

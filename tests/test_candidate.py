@@ -122,6 +122,26 @@ def test_candidate_preset_is_record_plus_switches():
     assert cand.model.model_dim == rec.model.model_dim == cand.model.num_heads * cand.model.v_head_dim
 
 
+def test_softmax_scale_starts_by_pr344s_rule():
+    """0.1 at equal Q/K and V widths (the record), 0.1 * sqrt(v / qk) for narrower Q/K (PR #344's
+    0.1155 at 96 of 128; tests/test_upstream_pr344_goldens.py checks it against PR #344's model); a
+    configured ``model.attn_scale`` wins."""
+    from speedrun.model.record import RecordArchConfig
+
+    arch = RecordArchConfig()
+    start = lambda name: RecordGPT.starting_attn_scale(preset(name).model, arch)  # noqa: E731
+    assert start("record") == start("tiny-record") == 0.1
+    assert start("candidate") == start("tiny-candidate") == pytest.approx(0.1 * (4 / 3) ** 0.5, rel=1e-12)
+    cfg = preset("candidate").model
+    cfg.attn_scale = 0.1
+    assert RecordGPT.starting_attn_scale(cfg, arch) == 0.1
+    ref, cand = _pair("reference")
+    assert ref.attn_scale == cand.attn_scale == pytest.approx(0.1 * (16 / 12) ** 0.5)
+    ref.apply_yarn(64, 128)
+    ref.reset_yarn()
+    assert ref.attn_scale == cand.attn_scale
+
+
 def test_unknown_switch_values_are_clear_errors():
     with pytest.raises(ConfigError, match="qkv_path"):
         ModelConfig(architecture="record", qkv_path="fast").validate()

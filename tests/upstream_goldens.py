@@ -33,6 +33,10 @@ FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures" / "upstream_f411b3d"
 REGENERATE = "python tools/record_upstream_goldens.py UPSTREAM_DIR (UPSTREAM_DIR: upstream f411b3d's train_gpt.py, triton_kernels.py, dc_triton_kernels.py)"
 FORMAT = 1
 UPSTREAM_COMMIT = "f411b3d346aa52d3504324ca93c230fd84c6c07f"
+# PR #344's model (the candidate's counterpart): its own fixture folder, same reader
+PR344_DIR = Path(__file__).resolve().parent / "fixtures" / "upstream_pr344"
+PR344_REGENERATE = "python tools/record_upstream_goldens.py UPSTREAM_DIR --pr344 (UPSTREAM_DIR: PR #344's (c4c209d) three files)"
+PR344_COMMIT = "c4c209d1a4715f1835710936e846344dc6287651"
 
 # the network (eval losses, gradients): the record's widths (upstream's DC kernel takes only 6 heads
 # of 128), a small vocabulary
@@ -67,11 +71,16 @@ def fixture_path(name: str, folder: Path | None = None) -> Path:
     return (folder or FIXTURE_DIR) / f"{name}.pt"
 
 
-def save_fixture(name: str, payload: dict, folder: Path | None = None) -> Path:
-    """Write ``payload`` (tensors, numbers, strings, lists, dicts) with a format tag and a checksum."""
+def _regenerate(folder: Path | None) -> str:
+    return PR344_REGENERATE if folder == PR344_DIR else REGENERATE
+
+
+def save_fixture(name: str, payload: dict, folder: Path | None = None, *, commit: str = UPSTREAM_COMMIT) -> Path:
+    """Write ``payload`` (tensors, numbers, strings, lists, dicts) with a format tag and the upstream
+    commit it was recorded from."""
     path = fixture_path(name, folder)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"format": FORMAT, "upstream_commit": UPSTREAM_COMMIT, "name": name, "payload": payload}
+    body = {"format": FORMAT, "upstream_commit": commit, "name": name, "payload": payload}
     torch.save(body, path)
     return path
 
@@ -82,7 +91,7 @@ def load_fixture(name: str, folder: Path | None = None) -> dict:
     path = fixture_path(name, folder)
 
     def fail(problem: str) -> GoldenFixtureError:
-        return GoldenFixtureError(f"golden fixture {path}: {problem}; regenerate it with {REGENERATE}")
+        return GoldenFixtureError(f"golden fixture {path}: {problem}; regenerate it with {_regenerate(folder)}")
 
     if not path.is_file():
         raise fail("missing")
@@ -96,10 +105,11 @@ def load_fixture(name: str, folder: Path | None = None) -> dict:
     return body["payload"]
 
 
-def require(payload: dict, key: str, name: str):
+def require(payload: dict, key: str, name: str, folder: Path | None = None):
     """``payload[key]``, or :class:`GoldenFixtureError` naming the fixture."""
     if key not in payload:
-        raise GoldenFixtureError(f"golden fixture {fixture_path(name)} lacks {key!r}; regenerate it with {REGENERATE}")
+        raise GoldenFixtureError(f"golden fixture {fixture_path(name, folder)} lacks {key!r}; "
+                                 f"regenerate it with {_regenerate(folder)}")
     return payload[key]
 
 
@@ -204,9 +214,10 @@ def file_digest(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def network_params(payload: dict) -> dict[str, torch.Tensor]:
-    """Upstream's parameters (upstream names, fp32) of the ``network`` fixture: small ones stored,
-    large ones redrawn from their recipe and checked against the recording's digest."""
+def network_params(payload: dict, folder: Path | None = None) -> dict[str, torch.Tensor]:
+    """Upstream's parameters (upstream names, fp32) of the ``network`` fixture (of ``folder``):
+    small ones stored, large ones redrawn from their recipe and checked against the recording's
+    digest."""
     params = {}
     for name, w in payload["weights"].items():
         if "full" in w:
@@ -216,8 +227,8 @@ def network_params(payload: dict) -> dict[str, torch.Tensor]:
         t = recipe_tensor(name, w["shape"], seed, scale)
         if digest(t) != w["digest"]:
             raise GoldenFixtureError(
-                f"{fixture_path('network')}: the recipe for {name} draws other values than at recording "
-                f"(torch's generator changed?); regenerate it with {REGENERATE}")
+                f"{fixture_path('network', folder)}: the recipe for {name} draws other values than at recording "
+                f"(torch's generator changed?); regenerate it with {_regenerate(folder)}")
         params[name] = t
     return params
 
@@ -260,6 +271,31 @@ def ours_from_upstream(params: dict[str, torch.Tensor], sign_table: torch.Tensor
     flip_rotating_rows(ours.qk_bank, ours)
     ours.bigram_sign_table.copy_(sign_table)
     return ours.float().eval()
+
+
+def candidate_config(s=SHAPES):
+    """:func:`our_config` with the candidate preset's model semantics (its Q/K width and softmax
+    scale rule): PR #344's model at :data:`SHAPES`."""
+    from speedrun.config import preset
+
+    cand = preset("candidate").model
+    cfg = our_config(s)
+    cfg.qk_head_dim, cfg.attn_scale = cand.qk_head_dim, cand.attn_scale
+    return cfg
+
+
+PR344_ATTN_LAYERS = SHAPES.num_layers - 1  # layer 6 has no attention, in the record as in PR #344
+
+
+def pr344_to_f411b3d_layout(params: dict[str, torch.Tensor], num_attn_layers: int = PR344_ATTN_LAYERS
+                            ) -> dict[str, torch.Tensor]:
+    """PR #344's parameters (or gradients) in f411b3d's layout, which ours follows: PR #344 stores
+    each attention layer's O transposed in the V/O bank (``y @ o_w``; f411b3d: ``F.linear(y, O)``)."""
+    out = dict(params)
+    vo = params["vo_bank"].clone()
+    vo[1: 2 * num_attn_layers: 2] = vo[1: 2 * num_attn_layers: 2].transpose(-1, -2).clone()  # not in place: aliasing
+    out["vo_bank"] = vo
+    return out
 
 
 def flip_rotating_rows(qk_bank: torch.Tensor, ours) -> None:

@@ -15,6 +15,7 @@ stand-ins:
 - the DC correction: upstream's own autograd Function and Triton kernels (they need
   ``TRITON_INTERPRET=1``), called below the wrapper that refuses CPU tensors.
 
+PR #344's model (``load_upstream_gpt(..., pr344=True)``) runs its own fused QK kernel the same way.
 The MLP golden runs upstream's own MLP kernel instead (:func:`load_upstream_mlp`,
 :func:`run_upstream_mlp`): its persistent Hopper kernel and FP8 scale kernels from
 ``triton_kernels.py``, in the interpreter made to round as a GPU does
@@ -147,22 +148,48 @@ def exec_upstream(src: Path, names: tuple[str, ...], env: dict, *, strip_compile
     return ns
 
 
-def load_upstream_gpt(src: Path, *, bigram_vocab_size: int, val_batch_size: int = 8192, **hyper) -> SimpleNamespace:
+# PR #344 (c4c209d): the key offset moved into its QK kernel, so that patch has no anchor there.
+PR344_PATCHES = tuple(p for p in PATCHES if not p[0].startswith("k[:, 1:, :, self.head_dim // 2:]"))
+# PR #344's fused QK norm + RoPE + key offset + padding (its eval and bf16 training path), from
+# triton_kernels.py; run under the interpreter within interpreter_numerics.gpu_numerics().
+PR344_QK_NAMES = ("_qk_norm_rope_pad_forward_kernel", "_qk_norm_rope_pad_backward_kernel", "qk_norm_rope_pad_forward",
+                  "qk_norm_rope_pad_backward", "QKNormRoPEPadFunction", "QKNormRoPEPad")
+# Launch parameters only: each (token, head) row is computed on its own, so rows per program change
+# no value; 256 rows make the interpreter's programs 32-64x fewer.
+PR344_QK_PATCHES = (("block_m = 4 if key_offset else 8", "block_m = 256", 1),
+                    ("    block_m=8, num_warps=4,\n):\n    tokens, heads2, qk_dim = qk.shape",
+                     "    block_m=256, num_warps=4,\n):\n    tokens, heads2, qk_dim = qk.shape", 1))
+
+
+def load_upstream_gpt(src: Path, *, bigram_vocab_size: int, val_batch_size: int = 8192, pr344: bool = False,
+                      **hyper) -> SimpleNamespace:
     """The namespace of upstream's model definitions (``GPT``, ``ForwardScheduleConfig``,
     ``get_bigram_hash``, ``args``, ...), ready to build a CPU model in evaluation mode.  ``hyper``:
-    further ``Hyperparameters`` fields (e.g. ``bigram_dim``, ``bigram_sign_table_rows``)."""
+    further ``Hyperparameters`` fields (e.g. ``bigram_dim``, ``bigram_sign_table_rows``).
+
+    ``pr344``: ``src`` holds PR #344's files (c4c209d): its 96-wide Q/K model, whose attention runs
+    PR #344's own QK kernel (``QKNormRoPEPad``: run the model inside
+    :func:`interpreter_numerics.gpu_numerics`)."""
     sys.path.insert(0, str(src))
     try:
         dc_module = _load_file_module("upstream_dc_triton_kernels", src / "dc_triton_kernels.py")
     finally:
         sys.path.remove(str(src))
-    ns = exec_upstream(src, NEEDED, dict(
+    env = dict(
         world_size=1, grad_accum_steps=1, grad_scale=1.0,
         dist=SimpleNamespace(get_world_size=lambda: 1),
         flash_attn_interface=SimpleNamespace(flash_attn_varlen_func=fa3_varlen_reference),
         dc_attention_postonly_nodd_correction_add_base_triton=_dc_correction(dc_module),
         ReLUSqrdMLP=relu2_mlp_reference,
-    ))
+    )
+    if pr344:
+        import triton
+        import triton.language as tl
+
+        qk = exec_upstream(src, PR344_QK_NAMES, dict(triton=triton, tl=tl), file="triton_kernels.py",
+                           patches=PR344_QK_PATCHES)
+        env.update(QKNormRoPEPad=qk["QKNormRoPEPad"], triton=triton)  # GPT.init_mlp sizes buffers with triton.cdiv
+    ns = exec_upstream(src, NEEDED, env, patches=PR344_PATCHES if pr344 else PATCHES)
     ns["args"] = ns["Hyperparameters"](bigram_vocab_size=bigram_vocab_size, val_batch_size=val_batch_size, **hyper)
     return SimpleNamespace(**ns)
 

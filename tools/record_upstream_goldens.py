@@ -28,6 +28,7 @@ them.  One fixture per part:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -81,9 +82,20 @@ def forward_cfg(up, ws_short, ws_long):
                                     ws_short=ws_short, ws_long=ws_long, train_max_seq_len=S.max_seq_len)
 
 
-def record_network(src: Path, out: Path) -> None:
+def record_network(src: Path, out: Path, *, pr344: bool = False) -> None:
+    """The ``network`` fixture; ``pr344``: of PR #344's model (its QK kernel in the interpreter made
+    to round as a GPU does), in ``G.PR344_DIR``'s layout conventions: gradients in ours (f411b3d's
+    V/O bank layout), compared with the candidate preset's model."""
+    from interpreter_numerics import gpu_numerics
+
     up = U.load_upstream_gpt(src, bigram_vocab_size=S.bigram_vocab, bigram_dim=S.model_dim,
-                             bigram_sign_table_rows=S.sign_rows)
+                             bigram_sign_table_rows=S.sign_rows, pr344=pr344)
+    with gpu_numerics() if pr344 else contextlib.nullcontext():
+        payload = _network_payload(up, pr344)
+    G.save_fixture("network", payload, out, commit=G.PR344_COMMIT if pr344 else G.UPSTREAM_COMMIT)
+
+
+def _network_payload(up, pr344: bool) -> dict:
     model, weights = build_upstream_network(up)
     mod = up.args.bigram_vocab_size - 1
     cases = []
@@ -99,7 +111,7 @@ def record_network(src: Path, out: Path) -> None:
         cases.append({**case, "loss": loss.float()})
 
     # gradients of the mean eval loss, in our layout (the MLP bank's padding layer dropped, the
-    # rotating Q/K rows flipped to our RoPE convention)
+    # rotating Q/K rows flipped to our RoPE convention; PR #344's transposed O back to f411b3d's)
     m = copy.deepcopy(model)
     batch = G.batch_of(S.docs, S.vocab, G.GRAD_SEED, mod)
     captured = {}
@@ -118,23 +130,27 @@ def record_network(src: Path, out: Path) -> None:
     x = captured["x"].detach().reshape(T, -1)
     head = {"rows": rows, "x": x[rows].float().clone(), "loss": loss.detach()[rows].float().clone(),
             "dx": (captured["x"].grad.reshape(T, -1)[rows] * T).float().clone()}
-    ours = G.ours_from_upstream({n: p.detach() for n, p in model.named_parameters()},
-                                model.bigram_sign_table.float())
-    by_up = dict(m.named_parameters())
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    up_grads = {n: p.grad.detach().float().clone() for n, p in m.named_parameters()}
+    if pr344:
+        params = G.pr344_to_f411b3d_layout(params, model._num_attn_layers)
+        up_grads = G.pr344_to_f411b3d_layout(up_grads, model._num_attn_layers)
+    ours = G.ours_from_upstream(params, model.bigram_sign_table.float(),
+                                model_cfg=G.candidate_config() if pr344 else None)
     grads, padding_norm = {}, None
     for name, p in ours.named_parameters():
-        g = by_up[G.UPSTREAM_NAMES.get(name, name)].grad.detach().float().clone()
+        g = up_grads[G.UPSTREAM_NAMES.get(name, name)]
         if name == "mlp_bank":
             padding_norm = g[p.shape[0]:].norm().item()
             g = g[: p.shape[0]]
         if name == "qk_bank":
             G.flip_rotating_rows(g, ours)
         grads[name] = G.compact(g, name)
-    G.save_fixture("network", {
+    return {
         "shapes": vars(S), "weights": weights, "sign_table": G.pack_signs(model.bigram_sign_table.float()),
         "bigram_mod": mod, "cases": cases, "grad_seed": G.GRAD_SEED, "grad_windows": [64, 192],
         "grads": grads, "mlp_padding_grad_norm": padding_norm, "head": head,
-    }, out)
+    }
 
 
 def record_init(src: Path, out: Path) -> None:
@@ -289,12 +305,22 @@ def main(argv=None) -> int:
     ap.add_argument("upstream_dir", type=Path, help="folder with upstream f411b3d's three files")
     ap.add_argument("--out", type=Path, default=G.FIXTURE_DIR)
     ap.add_argument("--only", choices=sorted(PARTS), action="append", help="record only these parts")
+    ap.add_argument("--pr344", action="store_true",
+                    help="UPSTREAM_DIR holds PR #344's (c4c209d) files: record its network (the candidate's "
+                         "counterpart) into tests/fixtures/upstream_pr344/")
     a = ap.parse_args(argv)
     missing = [f for f in ("train_gpt.py", "triton_kernels.py", "dc_triton_kernels.py")
                if not (a.upstream_dir / f).is_file()]
     if missing:
         ap.error(f"{a.upstream_dir} lacks {', '.join(missing)}")
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    if a.pr344:
+        if a.only and a.only != ["network"]:
+            ap.error("--pr344 records the network part only")
+        out = G.PR344_DIR if a.out == G.FIXTURE_DIR else a.out
+        record_network(a.upstream_dir, out, pr344=True)
+        print(f"wrote {G.fixture_path('network', out)} ({G.fixture_path('network', out).stat().st_size:,} bytes)")
+        return 0
     for name in a.only or PARTS:
         PARTS[name](a.upstream_dir, a.out)
         print(f"wrote {G.fixture_path(name, a.out)} ({G.fixture_path(name, a.out).stat().st_size:,} bytes)")

@@ -134,7 +134,10 @@ class RecordArchConfig:
     mudd_gate_hidden: int = 64
     mudd_gate_scale: float = 0.1
     # Attention
-    attn_scale: float = 0.1  # starting softmax scale (ModelConfig.attn_scale overrides when set)
+    # Starting softmax scale at equal Q/K and V widths; narrower Q/K heads start at
+    # attn_scale * sqrt(v_head_dim / qk_head_dim) (PR #344's rule for its 96-wide Q/K: the scores of
+    # unit-RMS q and k shrink with their width).  ModelConfig.attn_scale overrides both when set.
+    attn_scale: float = 0.1
     dc_window: int = 112
     yarn_alpha: float = 1.0
     yarn_beta: float = 32.0
@@ -242,7 +245,8 @@ class RecordGPT(TrainableModel):
     """The record GPT.  See the module docstring.
 
     Args:
-        model_cfg: shape (validated); ``attn_scale`` (if set) replaces the record's 0.1 start.
+        model_cfg: shape (validated); ``attn_scale`` (if set) replaces the starting softmax scale
+            (:meth:`starting_attn_scale`).
         arch: wiring and constants; None uses ``model_cfg.record`` if that field exists and is set,
             else ``scaled_record_arch(model_cfg.num_layers)``.
 
@@ -312,7 +316,7 @@ class RecordGPT(TrainableModel):
 
         self.yarn = Yarn(
             self.qk_dim, model_cfg.rope_fraction, model_cfg.rope_base,
-            attn_scale=model_cfg.attn_scale if model_cfg.attn_scale is not None else arch.attn_scale,
+            attn_scale=self.starting_attn_scale(model_cfg, arch),
             max_positions=arch.yarn_positions,
         )
         self.ce_impl = softcapped_mtp_ce
@@ -520,6 +524,15 @@ class RecordGPT(TrainableModel):
     @property
     def attn_scale(self) -> float:
         return self.yarn.attn_scale
+
+    @staticmethod
+    def starting_attn_scale(model_cfg: ModelConfig, arch: RecordArchConfig) -> float:
+        """The softmax scale before any YaRN extension: ``model_cfg.attn_scale`` when set, else
+        ``arch.attn_scale * sqrt(v_head_dim / qk_head_dim)`` (the record's 0.1 at equal widths;
+        0.1155 for the candidate's 96-wide Q/K, as PR #344 starts)."""
+        if model_cfg.attn_scale is not None:
+            return float(model_cfg.attn_scale)
+        return arch.attn_scale * math.sqrt(model_cfg.v_head_dim / model_cfg.qk_head_dim)
 
     @property
     def bigram_mod(self) -> int:
