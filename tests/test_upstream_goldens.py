@@ -65,14 +65,12 @@ def test_gradients_match_goldens(network):
     sketch's relative error estimates the true one); upstream's padding MLP layer gets none."""
     payload = network[0]
     ours = _ours(network)
-    ws, wl = payload["grad_windows"]
-    ours.per_token_loss(_batch(payload, payload["grad_seed"]), ForwardArgs(window_short=ws, window_long=wl)).mean().backward()
+    G.grad_case_backward(ours, payload)
     grads = G.require(payload, "grads", "network")
     assert payload["mlp_padding_grad_norm"] == 0
     assert sorted(grads) == sorted(n for n, _ in ours.named_parameters())
-    for name, p in ours.named_parameters():
-        assert p.grad is not None, name
-        err = G.relative_error(p.grad, grads[name], name)
+    for name, err in G.gradient_errors(ours, grads).items():
+        assert err is not None, name
         assert err < (LAMBDA_GRAD_RTOL if name in ("post_lambdas", "resid_lambdas") else GRAD_RTOL), (name, err)
 
 

@@ -58,15 +58,12 @@ def test_candidate_eval_forward_matches_pr344(network, case):
 def test_candidate_gradients_match_pr344(network):
     payload = network[0]
     ours = _ours(network)
-    ws, wl = payload["grad_windows"]
-    batch = G.batch_of(G.SHAPES.docs, G.SHAPES.vocab, payload["grad_seed"], payload["bigram_mod"])
-    ours.per_token_loss(batch, ForwardArgs(window_short=ws, window_long=wl)).mean().backward()
+    G.grad_case_backward(ours, payload)
     grads = G.require(payload, "grads", "network", G.PR344_DIR)
     assert payload["mlp_padding_grad_norm"] == 0
     assert sorted(grads) == sorted(n for n, _ in ours.named_parameters())
-    for name, p in ours.named_parameters():
-        assert p.grad is not None, name
-        err = G.relative_error(p.grad, grads[name], name)
+    for name, err in G.gradient_errors(ours, grads).items():
+        assert err is not None, name
         assert err < (LAMBDA_GRAD_RTOL if name in ("post_lambdas", "resid_lambdas") else GRAD_RTOL), (name, err)
 
 

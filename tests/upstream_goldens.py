@@ -291,11 +291,27 @@ def pr344_to_f411b3d_layout(params: dict[str, torch.Tensor], num_attn_layers: in
                             ) -> dict[str, torch.Tensor]:
     """PR #344's parameters (or gradients) in f411b3d's layout, which ours follows: PR #344 stores
     each attention layer's O transposed in the V/O bank (``y @ o_w``; f411b3d: ``F.linear(y, O)``)."""
-    out = dict(params)
+    o = slice(1, 2 * num_attn_layers, 2)
     vo = params["vo_bank"].clone()
-    vo[1: 2 * num_attn_layers: 2] = vo[1: 2 * num_attn_layers: 2].transpose(-1, -2).clone()  # not in place: aliasing
-    out["vo_bank"] = vo
-    return out
+    vo[o] = params["vo_bank"][o].transpose(-1, -2)  # read from the original: a view of vo would alias
+    return {**params, "vo_bank": vo}
+
+
+def grad_case_backward(ours, payload: dict) -> None:
+    """Backpropagate the mean evaluation loss of the ``network`` fixture's gradient case through
+    ``ours`` (our model built from the fixture's weights)."""
+    from speedrun.model.interface import ForwardArgs
+
+    ws, wl = payload["grad_windows"]
+    batch = batch_of(SHAPES.docs, SHAPES.vocab, payload["grad_seed"], payload["bigram_mod"])
+    ours.per_token_loss(batch, ForwardArgs(window_short=ws, window_long=wl)).mean().backward()
+
+
+def gradient_errors(ours, grads: dict) -> dict[str, float | None]:
+    """Each of our parameters' relative gradient error against the fixture's ``grads`` (through
+    the sketch for large ones; None where ours has no gradient)."""
+    return {name: None if p.grad is None else relative_error(p.grad, grads[name], name)
+            for name, p in ours.named_parameters()}
 
 
 def flip_rotating_rows(qk_bank: torch.Tensor, ours) -> None:

@@ -45,9 +45,8 @@ for i, case in enumerate(net["cases"]):
     d = (losses(ours(), case) - case["loss"]).abs()
     print(f"pr344: candidate eval losses, case {i} (windows {case['windows']}): max |diff| {d.max().item():.2e}")
 m = ours()
-batch = G.batch_of(G.SHAPES.docs, G.SHAPES.vocab, net["grad_seed"], net["bigram_mod"])
-m.per_token_loss(batch, ForwardArgs(*net["grad_windows"])).mean().backward()
-errs = {n: G.relative_error(p.grad, net["grads"][n], n) for n, p in m.named_parameters()}
+G.grad_case_backward(m, net)
+errs = G.gradient_errors(m, net["grads"])
 lam = ("post_lambdas", "resid_lambdas")
 worst = max((n for n in errs if n not in lam), key=errs.get)
 print(f"pr344: candidate gradients, largest relative error {errs[worst]:.2e} ({worst}); "
